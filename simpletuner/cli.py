@@ -1,0 +1,53 @@
+"""The ``simpletuner`` console script.
+
+Every subcommand imports its implementation only when it runs, so ``simpletuner --help``,
+``simpletuner validate`` and ``simpletuner server`` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("simpletuner.training.cli", "train a model from config.json + multidatabackend.json"),
+    "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
+    "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
+    "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),
+    "configure": ("simpletuner.config.wizard", "interactive wizard that writes config/config.json"),
+}
+
+
+class _LazyParser(argparse.ArgumentParser):
+    """Top-level parser; subcommand arguments are added only for the subcommand being run."""
+
+
+def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = _LazyParser(prog="simpletuner", description="Fine-tune diffusion models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    if selected not in SUBCOMMANDS:
+        selected = None
+    parser = _build_parser(selected)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
