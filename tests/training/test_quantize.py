@@ -1,0 +1,171 @@
+"""quanto quantization of a tiny Flux transformer, with a PEFT LoRA trained on top."""
+
+import copy
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from optimum.quanto.nn import QLinear
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+
+from simpletuner.training.quantize import (
+    check_quantization_supported,
+    check_quantized_training,
+    quantize_model,
+    weight_bytes,
+)
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "proj_mlp", "ff.net.2"]
+
+
+def tiny_flux(seed=0):
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def flux_inputs(seed=1, batch=2, img=64, txt=8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(batch, img, 16, generator=g),
+        encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
+        pooled_projections=torch.randn(batch, 32, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        img_ids=torch.randint(0, 8, (img, 3), generator=g).float(),
+        txt_ids=torch.zeros(txt, 3),
+        guidance=torch.full((batch,), 3.5),
+    )
+
+
+def add_lora(model, seed=2):
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    return inject_adapter_in_model(cfg, model)
+
+
+def train(model, inputs, target, steps=8, lr=1e-2):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(**inputs).sample, target)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["int8-quanto", "int4-quanto"])
+def test_lora_trains_on_quantized_base_and_base_stays_frozen(precision):
+    model = add_lora(quantize_model(tiny_flux(), precision))
+    base_before = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    inputs = flux_inputs()
+    target = torch.randn_like(inputs["hidden_states"])
+
+    losses = train(model, inputs, target)
+
+    assert losses[-1] < losses[0] * 0.9
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n in trainable)
+    assert isinstance(model.transformer_blocks[0].attn.to_q.base_layer, QLinear)
+    for name, tensor in model.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(tensor, base_before[name]), name
+
+
+def test_lora_from_quantized_base_loads_onto_unquantized_base():
+    inputs = flux_inputs()
+    target = torch.randn_like(inputs["hidden_states"])
+    quantized = add_lora(quantize_model(tiny_flux(), "int8-quanto"))
+    train(quantized, inputs, target, steps=6, lr=3e-2)
+    lora_state = get_peft_model_state_dict(quantized)
+
+    plain = tiny_flux()
+    plain.eval()
+    with torch.no_grad():
+        without_lora = plain(**inputs).sample
+    add_lora(plain, seed=99)  # different init: the loaded state must overwrite it
+    result = set_peft_model_state_dict(plain, lora_state)
+    assert not result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k]
+
+    quantized.eval()
+    with torch.no_grad():
+        from_quantized = quantized(**inputs).sample
+        from_plain = plain(**inputs).sample
+    lora_effect = (from_plain - without_lora).abs().mean()
+    mismatch = (from_plain - from_quantized).abs().mean()
+    assert lora_effect > 1e-2
+    assert mismatch < 0.1 * lora_effect
+
+
+def test_lora_from_quantized_base_loads_with_diffusers_loader():
+    quantized = add_lora(quantize_model(tiny_flux(), "int8-quanto"))
+    inputs = flux_inputs()
+    train(quantized, inputs, torch.randn_like(inputs["hidden_states"]), steps=3, lr=3e-2)
+    lora_state = {k: v.clone() for k, v in get_peft_model_state_dict(quantized).items()}
+
+    plain = tiny_flux()
+    plain.load_lora_adapter(lora_state, adapter_name="default", prefix=None)
+    plain.eval()
+    quantized.eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(**inputs).sample, quantized(**inputs).sample, atol=0.05)
+
+
+def test_exclusions_stay_full_precision():
+    model = quantize_model(tiny_flux(), "int8-quanto")
+    assert type(model.proj_out) is torch.nn.Linear
+    assert type(model.norm_out.linear) is torch.nn.Linear
+    assert type(model.x_embedder) is torch.nn.Linear
+    assert isinstance(model.single_transformer_blocks[0].proj_out, QLinear)
+    assert isinstance(model.transformer_blocks[0].ff.net[2], QLinear)
+    everything = quantize_model(tiny_flux(), "int8-quanto", exclude=[])
+    assert isinstance(everything.proj_out, QLinear)
+
+
+def test_weight_bytes_shrink_with_precision():
+    bf16 = weight_bytes(tiny_flux().to(torch.bfloat16))
+    assert bf16 == sum(p.numel() * 2 for p in tiny_flux().parameters())
+    sizes = {p: weight_bytes(quantize_model(tiny_flux().to(torch.bfloat16), p, exclude=[]))
+             for p in ("int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto")}
+    assert sizes["int2-quanto"] < sizes["int4-quanto"] < sizes["int8-quanto"] < bf16
+    assert sizes["fp8-quanto"] == sizes["int8-quanto"]
+
+
+def test_all_precisions_run_on_cpu():
+    inputs = flux_inputs(batch=1)
+    with torch.no_grad():
+        reference = tiny_flux()(**inputs).sample
+        for precision in ("int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"):
+            out = quantize_model(tiny_flux(), precision)(**inputs).sample
+            assert out.shape == reference.shape and torch.isfinite(out).all(), precision
+
+
+def test_no_change_returns_module_untouched():
+    model = tiny_flux()
+    state = copy.deepcopy(model.state_dict())
+    assert quantize_model(model, "no_change") is model
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_errors_name_the_field():
+    with pytest.raises(ValueError, match="base_model_precision: 'int3-quanto' is not one of"):
+        quantize_model(tiny_flux(), "int3-quanto")
+    with pytest.raises(ValueError, match="text_encoder_1_precision"):
+        quantize_model(torch.nn.Linear(2, 2), "nf4", field="text_encoder_1_precision")
+    with pytest.raises(ValueError, match="base_model_precision: fp8-quanto .* mps"):
+        check_quantization_supported("fp8-quanto", "mps")
+    check_quantization_supported("fp8-quanto", "cpu")
+    check_quantization_supported("int4-quanto", "cuda")
+    with pytest.raises(ValueError, match="model_type=full"):
+        check_quantized_training("int8-quanto", model_type="full")
+    with pytest.raises(ValueError, match="init_lora_weights: loftq"):
+        check_quantized_training("int4-quanto", init_lora_weights="loftq")
+    check_quantized_training("no_change", model_type="full")
