@@ -1,0 +1,184 @@
+"""Find training images, read their captions and decide each one's aspect bucket and crop.
+
+Everything here is deterministic from the file and the dataset settings, so a sample's cache key (see
+``cache.py``) names exactly the pixels that get encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image, ImageOps
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+# aspect ratios used by crop_aspect "closest" / "random"
+CROP_ASPECTS = (1.0, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16)
+
+
+class DatasetError(ValueError):
+    """A problem with a dataset's files (names the dataset id and the file or folder)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training image, its caption, and how it is turned into pixels."""
+
+    dataset_id: str
+    path: str
+    caption: str
+    target_size: tuple[int, int]  # (width, height) of the bucket
+    resize_to: tuple[int, int]  # size before cropping
+    crop_box: tuple[int, int, int, int]  # left, top, right, bottom in the resized image
+    is_regularisation: bool = False
+    file_size: int = 0
+    mtime_ns: int = 0
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        return self.target_size
+
+
+@dataclass
+class DatasetSamples:
+    dataset_id: str
+    samples: list[Sample] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+    repeats: int = 0
+
+
+def _round_to(x: float, multiple: int) -> int:
+    return max(multiple, int(round(x / multiple)) * multiple)
+
+
+def _area_pixels(resolution: float, resolution_type: str) -> float:
+    if resolution_type == "area":  # megapixels, 1.0 == 1024**2 as in SimpleTuner
+        return float(resolution) * 1024**2
+    return float(resolution) ** 2  # pixel_area: an edge length meaning that edge squared
+
+
+def bucket_size(width: int, height: int, resolution: float, resolution_type: str, multiple: int) -> tuple[int, int]:
+    """The (width, height) an image of this size trains at."""
+    aspect = width / height
+    if resolution_type == "pixel":  # shorter edge == resolution
+        short = float(resolution)
+        w, h = (short * aspect, short) if aspect >= 1 else (short, short / aspect)
+    else:
+        area = _area_pixels(resolution, resolution_type)
+        w, h = math.sqrt(area * aspect), math.sqrt(area / aspect)
+    return _round_to(w, multiple), _round_to(h, multiple)
+
+
+def _size_measure(width: int, height: int, resolution_type: str) -> float:
+    """An image's size in the units of the dataset's resolution_type (edge px, megapixels, or edge of area)."""
+    if resolution_type == "pixel":
+        return min(width, height)
+    if resolution_type == "area":
+        return width * height / 1024**2
+    return math.sqrt(width * height)
+
+
+def _crop_target(backend, width, height, resolution, resolution_type, multiple, rng) -> tuple[int, int]:
+    aspect_mode = getattr(backend, "crop_aspect", "square") or "square"
+    if aspect_mode == "preserve":
+        return bucket_size(width, height, resolution, resolution_type, multiple)
+    if aspect_mode == "square":
+        aspect = 1.0
+    elif aspect_mode == "closest":
+        aspect = min(CROP_ASPECTS, key=lambda a: abs(math.log(a) - math.log(width / height)))
+    else:  # random
+        aspect = rng.choice(CROP_ASPECTS)
+    return bucket_size(int(1000 * aspect), 1000, resolution, resolution_type, multiple)
+
+
+def plan_image(backend, path: Path, width: int, height: int, defaults, multiple: int, seed_key: str):
+    """Decide (target_size, resize_to, crop_box) for one image, or None with a reason to skip it."""
+    resolution = getattr(backend, "resolution", None) or defaults.resolution
+    resolution_type = getattr(backend, "resolution_type", None) or defaults.resolution_type
+    minimum = getattr(backend, "minimum_image_size", None)
+    if minimum and _size_measure(width, height, resolution_type) < float(minimum):
+        return None, f"smaller than minimum_image_size={minimum} ({width}x{height})"
+    rng = random.Random(seed_key)
+    if getattr(backend, "crop", False):
+        maximum = getattr(backend, "maximum_image_size", None)
+        downsample = getattr(backend, "target_downsample_size", None)
+        if maximum and downsample and _size_measure(width, height, resolution_type) > float(maximum):
+            width, height = bucket_size(width, height, downsample, resolution_type, 1)
+        target = _crop_target(backend, width, height, resolution, resolution_type, multiple, rng)
+    else:
+        target = bucket_size(width, height, resolution, resolution_type, multiple)
+    tw, th = target
+    scale = max(tw / width, th / height)
+    rw, rh = max(tw, math.ceil(width * scale)), max(th, math.ceil(height * scale))
+    style = getattr(backend, "crop_style", "center") or "center"
+    if style == "random" and getattr(backend, "crop", False):
+        left, top = rng.randint(0, rw - tw), rng.randint(0, rh - th)
+    elif style == "corner" and getattr(backend, "crop", False):
+        left, top = 0, 0
+    else:
+        left, top = (rw - tw) // 2, (rh - th) // 2
+    return (target, (rw, rh), (left, top, left + tw, top + th)), None
+
+
+def read_caption(backend, path: Path) -> str:
+    strategy = getattr(backend, "caption_strategy", "filename") or "filename"
+    if strategy == "instanceprompt":
+        return backend.instance_prompt
+    if strategy == "textfile":
+        txt = path.with_suffix(".txt")
+        if not txt.is_file():
+            raise DatasetError(f"datasets[{backend.id}]: caption file {txt} is missing (caption_strategy=textfile)")
+        caption = txt.read_text(encoding="utf-8").strip()
+        # SimpleTuner textfiles may hold several captions, one per line; the first one is used here
+        return caption.splitlines()[0].strip() if caption else ""
+    stem = path.stem
+    return " ".join(stem.replace("_", " ").split())
+
+
+def discover(backend, defaults, multiple: int) -> DatasetSamples:
+    """All usable images of one dataset backend, sorted by path (order is then shuffled by the sampler)."""
+    root = Path(backend.instance_data_dir).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"datasets[{backend.id}].instance_data_dir: folder {root} does not exist")
+    result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0))
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    for path in files:
+        try:
+            with Image.open(path) as im:
+                width, height = ImageOps.exif_transpose(im).size
+        except Exception as exc:  # a broken file is skipped, not fatal
+            result.skipped.append((str(path), f"unreadable image: {exc}"))
+            continue
+        stat = path.stat()
+        seed_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        plan, reason = plan_image(backend, path, width, height, defaults, multiple, seed_key)
+        if plan is None:
+            result.skipped.append((str(path), reason))
+            continue
+        target, resize_to, crop_box = plan
+        result.samples.append(Sample(
+            dataset_id=backend.id, path=str(path.resolve()), caption=read_caption(backend, path),
+            target_size=target, resize_to=resize_to, crop_box=crop_box,
+            is_regularisation=bool(getattr(backend, "is_regularisation_data", False)),
+            file_size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+        ))
+    for file, reason in result.skipped:
+        log.warning("datasets[%s]: skipping %s: %s", backend.id, file, reason)
+    return result
+
+
+def load_pixels(sample: Sample):
+    """The sample's pixels as a float tensor in [-1, 1], (3, H, W)."""
+    import numpy as np
+    import torch
+
+    with Image.open(sample.path) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
+        im = im.resize(sample.resize_to, Image.Resampling.LANCZOS).crop(sample.crop_box)
+    arr = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1)
+    return arr / 127.5 - 1.0

@@ -1,0 +1,253 @@
+"""Flux.1 (dev, krea, schnell, kontext, fluxbooru, libreflux, tiny): a rectified-flow MMDiT.
+
+Family quirks kept here:
+- latents are 2x2-packed into tokens, with (0, row, col) position ids per token and zero ids for text tokens;
+- the transformer gets ``timestep = sigma`` (the pipeline divides its 0..1000 timesteps by 1000);
+- guidance-distilled flavours (dev, krea, kontext, fluxbooru, tiny) take a guidance vector, schnell does not;
+- the VAE normalises latents as ``(z - shift_factor) * scaling_factor``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+from simpletuner.models import tiny
+from simpletuner.models.base import ModelAdapter, TextEmbedding
+
+# T5 sequence length per flavour (SimpleTuner's defaults; schnell was distilled with 256)
+DEFAULT_T5_LENGTH = {"schnell": 256, "tiny": 64}
+
+_ATTN = ["to_k", "to_q", "to_v"]
+_CONTEXT_ATTN = ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]
+_FF = ["ff.net.0.proj", "ff.net.2"]
+_CONTEXT_FF = ["ff_context.net.0.proj", "ff_context.net.2"]
+_SINGLE_MLP = ["proj_mlp", "proj_out"]
+
+
+class FluxAdapter(ModelAdapter):
+    family = "flux"
+    pipeline_class = FluxPipeline
+    resolution_multiple = 16  # VAE /8, then 2x2 packing
+    prediction_type = "flow_matching"
+
+    # ---- weights --------------------------------------------------------------------------------------
+    def ensure_tiny_checkpoint(self) -> Path:
+        return tiny.ensure_checkpoint("flux", write_tiny_flux)
+
+    def _transformer_source(self) -> tuple[str, str | None]:
+        path = self.config.pretrained_transformer_model_name_or_path
+        if path:
+            return path, self.config.pretrained_transformer_subfolder
+        return self.model_path(), self.config.pretrained_transformer_subfolder or "transformer"
+
+    def load_transformer(self) -> FluxTransformer2DModel:
+        path, subfolder = self._transformer_source()
+        if str(path).endswith((".safetensors", ".sft")):
+            return FluxTransformer2DModel.from_single_file(path, torch_dtype=self.weight_dtype)
+        return FluxTransformer2DModel.from_pretrained(
+            path,
+            subfolder=subfolder if subfolder not in ("", "none", None) else None,
+            torch_dtype=self.weight_dtype,
+            revision=self.config.revision,
+            variant=self.config.variant,
+        )
+
+    def load_vae(self) -> AutoencoderKL:
+        path = self.config.pretrained_vae_model_name_or_path or self.model_path()
+        subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
+        self.vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
+        self.vae.requires_grad_(False).eval().to(self.device)
+        return self.vae
+
+    def load_text_encoders(self) -> None:
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        path = self.model_path()
+        revision = self.config.revision
+        self.tokenizers = [
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", revision=revision),
+            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2", revision=revision),
+        ]
+        self.text_encoders = [
+            CLIPTextModel.from_pretrained(path, subfolder="text_encoder", revision=revision, dtype=self.weight_dtype),
+            T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", revision=revision, dtype=self.weight_dtype),
+        ]
+        for encoder in self.text_encoders:
+            encoder.requires_grad_(False).eval().to(self.device)
+
+    @property
+    def t5_max_length(self) -> int:
+        configured = getattr(self.config, "tokenizer_max_length", None)
+        return int(configured or DEFAULT_T5_LENGTH.get(self.config.model_flavour or "", 512))
+
+    # ---- encoding --------------------------------------------------------------------------------------
+    def _prompt_pipeline(self) -> FluxPipeline:
+        # a pipeline shell holding only the text encoders, so prompts are encoded by diffusers' own code
+        return FluxPipeline(
+            scheduler=None, vae=None, transformer=None,
+            text_encoder=self.text_encoders[0], tokenizer=self.tokenizers[0],
+            text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1],
+        )
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
+        if not self.text_encoders:
+            self.load_text_encoders()
+        prompt_embeds, pooled, _ = self._prompt_pipeline().encode_prompt(
+            prompt=list(prompts), prompt_2=None, device=self.device, max_sequence_length=self.t5_max_length
+        )
+        self.text_encoder_forwards += 1
+        return [
+            TextEmbedding({"prompt_embeds": prompt_embeds[i].float().cpu(), "pooled_prompt_embeds": pooled[i].float().cpu()})
+            for i in range(len(prompts))
+        ]
+
+    def text_cache_identity(self) -> str:
+        parts = [self.component_identity(c) for c in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
+        return "|".join(parts + [f"t5_len={self.t5_max_length}"])
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            self.load_vae()
+        cfg = self.vae.config
+        latents = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mean
+        self.vae_forwards += 1
+        return ((latents - cfg.shift_factor) * cfg.scaling_factor).float().cpu()
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        cfg = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
+        return self.vae.decode(latents).sample
+
+    # ---- training ----------------------------------------------------------------------------------------
+    @staticmethod
+    def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+    @staticmethod
+    def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """(B, h/2 * w/2, C*4) tokens -> (B, C, h, w) latents; the inverse of ``pack_latents``."""
+        b, _, d = tokens.shape
+        c = d // 4
+        x = tokens.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, height, width)
+
+    def guidance_vector(self, transformer, batch: int, device, dtype) -> torch.Tensor | None:
+        if not transformer.config.guidance_embeds:
+            return None
+        return torch.full((batch,), float(self.config.flux_guidance_value), device=device, dtype=dtype)
+
+    def model_inputs(self, transformer, noisy_latents, sigmas, text: dict[str, torch.Tensor]) -> dict[str, Any]:
+        b, _, h, w = noisy_latents.shape
+        dtype = next(transformer.parameters()).dtype
+        device = noisy_latents.device
+        prompt_embeds = text["prompt_embeds"].to(device, dtype)
+        return {
+            "hidden_states": self.pack_latents(noisy_latents).to(dtype),
+            "timestep": sigmas.to(device, dtype),
+            "guidance": self.guidance_vector(transformer, b, device, dtype),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device, dtype),
+            "encoder_hidden_states": prompt_embeds,
+            "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            "return_dict": False,
+        }
+
+    def predict(self, transformer, noisy_latents, sigmas, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        _, _, h, w = noisy_latents.shape
+        out = transformer(**self.model_inputs(transformer, noisy_latents, sigmas, text))[0]
+        return self.unpack_latents(out, h, w)
+
+    def image_seq_len(self, latent_height: int, latent_width: int) -> int:
+        return (latent_height // 2) * (latent_width // 2)
+
+    def lora_target_modules(self, transformer, preset: str) -> list[str]:
+        """Module names for ``flux_lora_target`` (PEFT matches them as name suffixes)."""
+        n_single = len(transformer.single_transformer_blocks)
+        presets = {
+            "mmdit": [f"transformer_blocks.{i}.attn.{m}" for i in range(len(transformer.transformer_blocks))
+                      for m in _ATTN + ["to_out.0"] + _CONTEXT_ATTN],
+            "all": _ATTN + ["to_out.0"] + _CONTEXT_ATTN,
+            "context": _CONTEXT_ATTN,
+            "context+ffs": _CONTEXT_ATTN + _CONTEXT_FF,
+            "all+ffs": _ATTN + ["to_out.0"] + _CONTEXT_ATTN + _FF + _CONTEXT_FF + _SINGLE_MLP,
+            # two (one) single-block output projections; at 7/38 and 20/38 of the depth, i.e. 7 and 20 on Flux.1
+            "tiny": sorted({f"single_transformer_blocks.{_at_depth(f, n_single)}.proj_out" for f in (7 / 38, 20 / 38)}),
+            "nano": [f"single_transformer_blocks.{_at_depth(7 / 38, n_single)}.proj_out"],
+        }
+        if preset not in presets:
+            raise ValueError(f"flux_lora_target: {preset!r} is not one of {', '.join(presets)}")
+        return presets[preset]
+
+    def tread_layout(self, transformer):
+        from simpletuner.training.tread import TreadLayout
+
+        return TreadLayout(blocks=list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks))
+
+    # ---- pipelines ---------------------------------------------------------------------------------------
+    def build_pipeline(self, transformer, **kwargs) -> FluxPipeline:
+        """A FluxPipeline around the training transformer (no copy of its weights)."""
+        if self.vae is None:
+            self.load_vae()
+        if not self.text_encoders:
+            self.load_text_encoders()
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path(), subfolder="scheduler")
+        return FluxPipeline(
+            scheduler=scheduler, vae=self.vae, transformer=transformer,
+            text_encoder=self.text_encoders[0], tokenizer=self.tokenizers[0],
+            text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1],
+        )
+
+
+def _at_depth(fraction: float, depth: int) -> int:
+    return min(depth - 1, int(math.floor(fraction * depth + 1e-9)))
+
+
+def write_tiny_flux(folder: Path, seed: int = 0) -> None:
+    """Write a random-initialised Flux in the diffusers layout: model_index.json + one folder per component."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = tiny.clip_tokenizer(77)
+    tokenizer_2 = tiny.t5_tokenizer(512)
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 16, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=8, sample_size=128,
+        # FluxPipeline needs an explicit shift_factor (its None default fails); Flux.1's own values
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    ))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)

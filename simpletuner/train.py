@@ -1,0 +1,21 @@
+"""``python -m simpletuner.train --config RUN_DIR/config.json``: the trainer entry point that server jobs run
+under ``accelerate launch``. Same code path as ``simpletuner train``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from simpletuner.training import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simpletuner.train")
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.num_processes = 1  # already launched by accelerate when run this way
+    return cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

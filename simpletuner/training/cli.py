@@ -1,0 +1,79 @@
+"""``simpletuner train``: validate the config and its data backends, then train in the foreground.
+
+Nothing is written before both configs validate. With ``--num_processes N`` (N > 1) the same trainer is started
+under ``accelerate launch`` with N processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="config/config.json", help="config.json (default: %(default)s)")
+    parser.add_argument("--data_backend_config", "--data-backend-config", dest="data_backend_config",
+                        help="multidatabackend.json (default: the config's data_backend_config)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set max_train_steps=10 (repeatable)")
+    parser.add_argument("--num_processes", type=int, default=1,
+                        help="processes to launch with accelerate (one per GPU); default 1")
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def load_configs(config_path: str, data_backend_config: str | None, overrides: dict):
+    """(LoadedConfig, DataBackends); prints every error with its field path and exits 1 on invalid input."""
+    from simpletuner.config import ConfigError, load_data_backends, load_train_config
+
+    try:
+        loaded = load_train_config(config_path, overrides=overrides)
+    except ConfigError as exc:
+        print(f"error: invalid config\n{exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    backend_path = data_backend_config or loaded.config.data_backend_config
+    if not backend_path:
+        print(f"error: {config_path}: data_backend_config: not set (give it in the config or "
+              "with --data_backend_config)", file=sys.stderr)
+        raise SystemExit(1)
+    try:
+        backends = load_data_backends(backend_path)
+    except ConfigError as exc:
+        print(f"error: invalid data backend config\n{exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    for warning in loaded.warnings + backends.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return loaded, backends
+
+
+def run(args) -> int:
+    overrides = parse_overrides(args.set)
+    loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
+    if args.num_processes > 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes)]
+        if args.num_processes > 1:
+            cmd.append("--multi_gpu")
+        cmd += ["-m", "simpletuner.train", "--config", args.config]
+        if args.data_backend_config:
+            cmd += ["--data_backend_config", args.data_backend_config]
+        for item in args.set:
+            cmd += ["--set", item]
+        return subprocess.call(cmd, env=os.environ.copy())
+    from simpletuner.data.discovery import DatasetError
+    from simpletuner.training.trainer import run as run_training
+
+    try:
+        return run_training(loaded.config, backends)
+    except (DatasetError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,383 @@
+"""The training recipe. Read top to bottom: set up, cache, build the model, loop, save.
+
+One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache, draw noise and
+sigmas, noise the latents, predict with the family's adapter, take the MSE against the flow-matching target,
+backward, clip, step, report, and every ``checkpointing_steps`` write a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from diffusers.optimization import get_scheduler
+from tqdm.auto import tqdm
+
+from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
+from simpletuner.data.discovery import DatasetError, discover
+from simpletuner.data.sampler import BucketBatchSampler
+from simpletuner.models.base import TextEmbedding
+from simpletuner.models.registry import create_adapter
+from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.flow import add_noise, training_sigmas
+from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
+from simpletuner.training.webhooks import WebhookReporter
+
+log = logging.getLogger("simpletuner.trainer")
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM/SIGINT arrived; the run stopped at a step boundary with nothing half-written."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    global_step: int
+    final_loss: float | None
+    lora_path: str | None = None
+    model_path: str | None = None
+    losses: list[float] = field(default_factory=list)
+    vae_forwards: int = 0
+    text_encoder_forwards: int = 0
+
+
+@dataclass
+class TrainData:
+    sampler: BucketBatchSampler
+    vae_caches: dict[str, TensorCache]  # dataset id -> latent cache
+    text_cache: TensorCache
+    vae_identity: str
+    text_identity: str
+
+
+class _StopFlag:
+    """Turns SIGTERM/SIGINT into a flag the loop checks between steps."""
+
+    def __init__(self):
+        self.stop = False
+        self._previous = {}
+
+    def __enter__(self):
+        if hasattr(signal, "SIGTERM") and _is_main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.stop = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------------------------
+def weight_dtype_for(config, device: torch.device) -> torch.dtype:
+    """Frozen base weights: fp32 unless mixed precision is on (then base_model_default_dtype)."""
+    if config.mixed_precision == "no" or device.type == "cpu" and config.mixed_precision != "bf16":
+        return torch.float32
+    if config.mixed_precision == "fp16":
+        return torch.float16
+    return torch.bfloat16 if config.base_model_default_dtype == "bf16" else torch.float32
+
+
+def prepare_data(config, backends, adapter, accelerator) -> TrainData:
+    """Discover samples, build the bucket sampler, and fill the latent and text caches (main process first)."""
+    training_backends = [b for b in backends.datasets if b.dataset_type == "image"]
+    datasets = [discover(b, config, adapter.resolution_multiple) for b in training_backends]
+    for backend, ds in zip(training_backends, datasets):
+        if not ds.samples:
+            raise DatasetError(
+                f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
+                f"({len(ds.skipped)} skipped). Check instance_data_dir and minimum_image_size."
+            )
+        log.info("datasets[%s]: %d images, repeats=%d", backend.id, len(ds.samples), ds.repeats)
+    sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
+
+    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in training_backends}
+    text_cache = TensorCache(backends.text_embeds.cache_dir)
+    captions = [s.caption for ds in datasets for s in ds.samples]
+    if config.caption_dropout_probability:
+        captions.append("")
+    with accelerator.main_process_first():
+        vae_identity = adapter.vae_cache_identity()
+        text_identity = adapter.text_cache_identity()
+        show = accelerator.is_local_main_process
+        fill_latent_cache({b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
+                          adapter, config.vae_batch_size, show_progress=show)
+        fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size, show_progress=show)
+    adapter.unload_encoders()  # training reads the caches only
+    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity)
+
+
+def build_transformer(config, adapter, accelerator):
+    """Load the transformer and make it trainable: quantize, LoRA or full, checkpointing, offload, TREAD."""
+    transformer = adapter.load_transformer()
+    if config.base_model_precision not in (None, "no_change"):
+        from simpletuner.training.quantize import quantize_model
+
+        quantize_model(transformer, config.base_model_precision)
+    if config.model_type == "lora":
+        add_lora(transformer, adapter, config)
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # LoRA weights train in fp32 over a frozen base of any dtype
+    else:
+        transformer.requires_grad_(True)
+    if config.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+        if config.gradient_checkpointing_interval and config.gradient_checkpointing_interval > 1:
+            from simpletuner.training.gradient_checkpointing import apply_gradient_checkpointing_interval
+
+            apply_gradient_checkpointing_interval(transformer, config.gradient_checkpointing_interval)
+    transformer.to(accelerator.device)
+    transformer.train()
+    return transformer
+
+
+def build_optimizer(config, params):
+    if config.optimizer == "adamw_bf16":
+        from simpletuner.training.optimizers import AdamWBF16
+
+        cls = AdamWBF16
+    else:
+        cls = torch.optim.AdamW
+    return cls(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+               weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
+
+
+def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[int, int]:
+    """(max_train_steps, num_epochs) from whichever of the two the config sets."""
+    micro_per_epoch = max(1, batches_per_epoch // world_size)
+    steps_per_epoch = max(1, micro_per_epoch // config.gradient_accumulation_steps)
+    if config.max_train_steps:
+        return config.max_train_steps, math.ceil(config.max_train_steps / steps_per_epoch)
+    return config.num_train_epochs * steps_per_epoch, config.num_train_epochs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one batch
+# ---------------------------------------------------------------------------------------------------------------
+def load_batch(batch, data: TrainData, config, generator: torch.Generator, device):
+    latents = torch.stack([
+        data.vae_caches[s.dataset_id].load(latent_key(s, data.vae_identity))["latents"] for s in batch
+    ])
+    captions = [s.caption for s in batch]
+    if config.caption_dropout_probability:
+        drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
+        captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+    text = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
+                                  for c in captions])
+    is_reg = torch.tensor([s.is_regularisation for s in batch])
+    return latents.to(device), {k: v.to(device) for k, v in text.items()}, is_reg
+
+
+def compute_loss(config, adapter, transformer, latents, text, is_reg, generator):
+    noise = torch.randn(latents.shape, generator=generator).to(latents)
+    image_seq_len = adapter.image_seq_len(latents.shape[-2], latents.shape[-1])
+    sigmas = training_sigmas(config, latents.shape[0], image_seq_len, generator).to(latents.device)
+    noisy = add_noise(latents, noise, sigmas)
+    target = adapter.training_target(latents, noise)
+    if is_reg.any() and config.model_type == "lora":
+        # regularisation data: the target is the base model's own prediction (LoRA off) on these samples
+        base = _unwrap(transformer)
+        with torch.no_grad():
+            base.disable_adapters()
+            try:
+                base_pred = adapter.predict(base, noisy, sigmas, text).float()
+            finally:
+                base.enable_adapters()
+        mask = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
+        target = torch.where(mask, base_pred, target)
+    pred = adapter.predict(transformer, noisy, sigmas, text)
+    return F.mse_loss(pred.float(), target.float())
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------------------------
+def train(config, backends, *, reporter: WebhookReporter | None = None) -> TrainResult:
+    """Train as ``config`` says; returns where the results are. Raises TrainingInterrupted on SIGTERM."""
+    reporter = reporter or WebhookReporter.from_env(getattr(config, "webhook_config", None))
+    output_dir = Path(config.output_dir)
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision if config.mixed_precision != "no" else "no",
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.seed is not None:
+        set_seed(config.seed)
+    generator = torch.Generator().manual_seed((config.seed or 0) + accelerator.process_index)
+    if accelerator.is_main_process:
+        reporter.status("running")
+
+    # ---- data and caches ----
+    adapter = create_adapter(config, device=accelerator.device,
+                             weight_dtype=weight_dtype_for(config, accelerator.device))
+    data = prepare_data(config, backends, adapter, accelerator)
+    max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
+
+    # ---- model, optimizer, schedule ----
+    transformer = build_transformer(config, adapter, accelerator)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = build_optimizer(config, params)
+    lr_scheduler = get_scheduler(
+        config.lr_scheduler, optimizer=optimizer,
+        num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_steps * accelerator.num_processes,
+    )
+    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+
+    # ---- resume ----
+    global_step, epoch, batch_in_epoch = 0, 0, 0
+    resume_path = ckpt.resolve_resume(output_dir, config.resume_from_checkpoint)
+    if resume_path is not None:
+        trainable, state = ckpt.load_checkpoint(resume_path, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                                generator=generator)
+        _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
+        global_step, epoch, batch_in_epoch = state["global_step"], state["epoch"], state["batch_in_epoch"]
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, global_step, epoch, batch_in_epoch)
+
+    # ---- loop ----
+    losses: list[float] = []
+    loss_log = output_dir / "training_log.jsonl"
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=max_steps, initial=global_step, desc="Training", disable=not accelerator.is_local_main_process)
+    started, start_step = time.time(), global_step
+    accumulated = 0.0
+    with _StopFlag() as stop:
+        while global_step < max_steps:
+            batches = data.sampler.epoch_batches(epoch)
+            mine = batches[accelerator.process_index::accelerator.num_processes]
+            while batch_in_epoch < len(mine) and global_step < max_steps:
+                if stop.stop:
+                    raise TrainingInterrupted(f"stopped by signal at step {global_step}")
+                latents, text, is_reg = load_batch(mine[batch_in_epoch], data, config, generator, accelerator.device)
+                batch_in_epoch += 1
+                with accelerator.accumulate(transformer):
+                    loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and config.max_grad_norm:
+                        accelerator.clip_grad_norm_(params, config.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                accumulated += accelerator.gather(loss.detach()).mean().item() / config.gradient_accumulation_steps
+                if not accelerator.sync_gradients:
+                    continue
+
+                # ---- one optimizer step done: report, checkpoint ----
+                global_step += 1
+                step_loss, accumulated = accumulated, 0.0
+                losses.append(step_loss)
+                lr = lr_scheduler.get_last_lr()[0]
+                elapsed = time.time() - started
+                it_s = (global_step - start_step) / elapsed if elapsed > 0 else 0.0
+                eta = (max_steps - global_step) / it_s if it_s > 0 else None
+                bar.update(1)
+                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+                if accelerator.is_main_process:
+                    with loss_log.open("a") as fh:
+                        fh.write(json.dumps({"step": global_step, "loss": step_loss, "lr": lr, "epoch": epoch}) + "\n")
+                    reporter.progress(global_step, max_steps, step_loss, lr, it_s, eta, epoch=epoch)
+                if config.checkpointing_steps and global_step % config.checkpointing_steps == 0:
+                    _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
+                                global_step, epoch, batch_in_epoch)
+            if batch_in_epoch >= len(mine):
+                epoch, batch_in_epoch = epoch + 1, 0
+    bar.close()
+
+    # ---- save ----
+    accelerator.wait_for_everyone()
+    result = TrainResult(str(output_dir), global_step, losses[-1] if losses else None, losses=losses,
+                         vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards)
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(transformer)
+        if config.model_type == "lora":
+            result.lora_path = str(adapter.save_lora(lora_state_dict(model), output_dir))
+        else:
+            model.save_pretrained(output_dir / "transformer", safe_serialization=True)
+            result.model_path = str(output_dir / "transformer")
+        summary = {k: v for k, v in result.__dict__.items() if k != "losses"}
+        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    accelerator.end_training()
+    return result
+
+
+def _trainable_state(model, config) -> dict[str, torch.Tensor]:
+    if config.model_type == "lora":
+        return lora_state_dict(model)
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _load_trainable(model, state, config, source: str) -> None:
+    if config.model_type == "lora":
+        load_lora_state(model, state, source)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise ValueError(f"{source}: checkpoint does not match the model "
+                         f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
+
+
+def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
+                global_step, epoch, batch_in_epoch):
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    path = ckpt.save_checkpoint(
+        config.output_dir, global_step,
+        trainable=_trainable_state(accelerator.unwrap_model(transformer), config),
+        optimizer=optimizer, lr_scheduler=lr_scheduler, generator=generator,
+        training_state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
+        total_limit=config.checkpoints_total_limit,
+    )
+    log.info("saved %s", path)
+    reporter.checkpoint(global_step, str(path))
+
+
+def run(config, backends) -> int:
+    """Train and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
+    reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
+    try:
+        result = train(config, backends, reporter=reporter)
+    except TrainingInterrupted as exc:
+        log.warning("%s", exc)
+        reporter.status("cancelled", reason=str(exc))
+        reporter.close()
+        return 143
+    except Exception as exc:
+        reporter.error(str(exc), traceback.format_exc())
+        reporter.status("failed", reason=str(exc))
+        reporter.close()
+        raise
+    reporter.status("succeeded", final_loss=result.final_loss, lora_path=result.lora_path,
+                    model_path=result.model_path, output_dir=result.output_dir, steps=result.global_step)
+    reporter.close()
+    return 0
+
