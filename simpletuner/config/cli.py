@@ -1,0 +1,126 @@
+"""``simpletuner validate``: check config.json and multidatabackend.json without training (and without torch).
+
+Prints every problem as ``FILE: path: message``, warnings as ``warning: ...``, then ``OK`` when there are no
+errors. Exit status 1 on errors, 0 otherwise (warnings, such as missing dataset folders, do not fail it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .data import check_paths, load_data_backends
+from .errors import ConfigError, FieldError
+from .loader import dump_train_config, load_train_config, prepare_train_config
+from .train import check_train_paths
+
+DEFAULT_CONFIG = os.path.join("config", "config.json")
+
+
+@dataclass
+class ValidationReport:
+    """Everything ``validate`` found: errors as (source file or None, FieldError), warnings as text."""
+
+    errors: list[tuple[str | None, FieldError]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+    datasets: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def add(self, exc: ConfigError) -> None:
+        self.errors.extend((exc.source, e) for e in exc.errors)
+
+
+def _prefixed(source: str | None, lines: list[str]) -> list[str]:
+    return [f"{source}: {line}" if source else line for line in lines]
+
+
+def validate_files(config_path: str, data_backend_config: str | None = None) -> ValidationReport:
+    """Validate ``config_path`` and its data backends (``data_backend_config`` or the config's own setting).
+
+    Relative paths are resolved against the working directory, as SimpleTuner does.
+    """
+    report = ValidationReport()
+    resolution = resolution_type = None
+    readable = True
+    try:
+        loaded = load_train_config(config_path)
+    except ConfigError as exc:
+        report.add(exc)
+        configured = None
+        try:
+            configured = prepare_train_config(config_path)[0].get("data_backend_config")
+        except ConfigError:
+            readable = False
+    else:
+        config = loaded.config
+        report.warnings += _prefixed(config_path, loaded.warnings + check_train_paths(config))
+        report.config = dump_train_config(config)
+        configured = config.data_backend_config
+        resolution, resolution_type = config.resolution, config.resolution_type
+
+    data_path = data_backend_config or configured
+    if not data_path:
+        if not readable:
+            return report  # nothing more to say until the config file itself can be read
+        report.errors.append(
+            (
+                config_path,
+                FieldError("data_backend_config", "not set; set it in config.json or pass --data_backend_config"),
+            )
+        )
+        return report
+    if not isinstance(data_path, str):
+        return report  # the config's own error already names data_backend_config
+    try:
+        backends = load_data_backends(data_path, resolution=resolution, resolution_type=resolution_type)
+    except ConfigError as exc:
+        report.add(exc)
+    else:
+        report.warnings += _prefixed(data_path, backends.warnings + check_paths(backends))
+        report.datasets = [d.id for d in backends.datasets]
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG, help=f"config.json to check (default: {DEFAULT_CONFIG})"
+    )
+    parser.add_argument(
+        "--data_backend_config",
+        "--data-backend-config",
+        default=None,
+        help="multidatabackend.json to check (default: the config's data_backend_config)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = validate_files(args.config, args.data_backend_config)
+    if args.json:
+        payload = {
+            "ok": report.ok,
+            "errors": [{"source": src, "path": e.path, "message": e.message} for src, e in report.errors],
+            "warnings": report.warnings,
+            "config": report.config,
+            "datasets": report.datasets,
+        }
+        print(json.dumps(payload, indent=2))
+        return 0 if report.ok else 1
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    for source, error in report.errors:
+        print(f"{source}: {error}" if source else str(error))
+    if report.ok:
+        print("OK")
+        return 0
+    count = len(report.errors)
+    print(f"{count} error{'s' if count != 1 else ''}", file=sys.stderr)
+    return 1

@@ -1,0 +1,347 @@
+"""The schema of multidatabackend.json: a JSON list of dataset backends plus one text-embeds backend.
+
+Errors name entries ``datasets[<id>].<key>`` (``datasets[<n>]``, the 0-based position, when an entry has no
+usable id). Unknown keys are warnings, not errors. Whether folders exist is checked separately by
+:func:`check_paths`, because a config may be validated on a machine other than the one that trains.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .coerce import Int, Number, check_resolution, normalise_values
+from .errors import ConfigError, FieldError, errors_from_validation
+
+_NOT_YET = {
+    "dataset_type": {"video", "conditioning", "image_embeds", "conditioning_image_embeds", "audio"},
+    "type": {"aws", "csv", "huggingface", "parquet"},
+    "caption_strategy": {"parquet", "jsonl", "huggingface", "csv"},
+}
+
+# Keys SimpleTuner reads that this version ignores; named so the warning says so instead of "unknown".
+UNSUPPORTED_DATASET_KEYS = frozenset(
+    {
+        "skip_file_discovery",
+        "preserve_data_backend_cache",
+        "metadata_backend",
+        "vae_cache_clear_each_epoch",
+        "hash_filenames",
+        "prepend_instance_prompt",
+        "only_instance_prompt",
+        "conditioning",
+        "conditioning_data",
+        "aspect_bucket_alignment",
+        "aspect_bucket_rounding",
+        "maximum_aspect_ratio",
+        "minimum_aspect_ratio",
+        "text_embeds",
+        "image_embeds",
+        "start_epoch",
+        "start_step",
+        "end_epoch",
+        "end_step",
+    }
+)
+
+
+def _field(default: Any, description: str, **kwargs: Any) -> Any:
+    return Field(default, description=description, json_schema_extra={"group": "data"}, **kwargs)
+
+
+class _Backend(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        return normalise_values(cls, data)
+
+
+class DatasetBackend(_Backend):
+    """A folder of training (``image``) or held-out evaluation (``eval``) images with captions."""
+
+    id: str = _field(..., "unique name of the dataset; also names its caches", min_length=1)
+    type: Literal["local"] = _field("local", "storage backend; only 'local' folders are supported")
+    dataset_type: Literal["image", "eval"] = _field("image", "'image' for training data, 'eval' for eval loss")
+    instance_data_dir: str = _field(..., "folder of images (searched recursively)", min_length=1)
+    resolution: Optional[Number] = _field(
+        None, "target size: pixels, or megapixels for resolution_type 'area'; empty = the config's resolution"
+    )
+    resolution_type: Optional[Literal["pixel", "area", "pixel_area"]] = _field(
+        None, "'pixel' (shorter edge), 'area' (megapixels) or 'pixel_area'; empty = the config's"
+    )
+    minimum_image_size: Optional[Number] = _field(
+        None, "skip images smaller than this (same unit as resolution)", gt=0
+    )
+    maximum_image_size: Optional[Number] = _field(
+        None, "images larger than this are first downsampled to target_downsample_size", gt=0
+    )
+    target_downsample_size: Optional[Number] = _field(
+        None, "size that over-large images are downsampled to before cropping", gt=0
+    )
+    crop: bool = _field(False, "crop images to their bucket instead of only resizing")
+    crop_style: Literal["center", "random", "corner"] = _field("random", "where crops are taken")
+    crop_aspect: Literal["square", "preserve", "closest", "random"] = _field(
+        "square", "aspect ratio of crops"
+    )
+    caption_strategy: Literal["filename", "textfile", "instanceprompt"] = _field(
+        "filename", "captions from the file name, a .txt next to the image, or instance_prompt"
+    )
+    instance_prompt: Optional[str] = _field(None, "caption of every image (caption_strategy 'instanceprompt')")
+    repeats: Int = _field(0, "extra times each image is seen per epoch (0 = once)", ge=0)
+    is_regularisation_data: bool = _field(False, "regularisation data (trained against the base model)")
+    cache_dir_vae: Optional[str] = _field(None, "latent cache folder; default cache/vae/<id>")
+    disabled: bool = _field(False, "leave this dataset out")
+    probability: float = _field(1.0, "relative chance of drawing a batch from this dataset", gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetBackend:
+        errors = []
+        if self.caption_strategy == "instanceprompt" and not self.instance_prompt:
+            errors.append(FieldError("instance_prompt", "is required for caption_strategy 'instanceprompt'"))
+        if self.resolution is not None:
+            message = check_resolution(self.resolution, self.resolution_type or "pixel_area")
+            if message:
+                errors.append(FieldError("resolution", message))
+        if (
+            self.minimum_image_size is not None
+            and self.maximum_image_size is not None
+            and self.minimum_image_size > self.maximum_image_size
+        ):
+            errors.append(
+                FieldError("minimum_image_size", f"is larger than maximum_image_size ({self.maximum_image_size})")
+            )
+        if self.maximum_image_size is not None and self.target_downsample_size is None:
+            errors.append(FieldError("target_downsample_size", "is required when maximum_image_size is set"))
+        if errors:
+            raise ConfigError(errors)
+        if self.cache_dir_vae is None:
+            self.cache_dir_vae = f"cache/vae/{self.id}"
+        return self
+
+
+class TextEmbedsBackend(_Backend):
+    """Where prompt embeddings are cached."""
+
+    id: str = _field(..., "unique name of the backend", min_length=1)
+    dataset_type: Literal["text_embeds"] = _field("text_embeds", "always 'text_embeds'")
+    type: Literal["local"] = _field("local", "storage backend; only 'local' is supported")
+    default: bool = _field(False, "the text-embeds backend used by all datasets")
+    cache_dir: Optional[str] = _field(None, "embedding cache folder; default cache/text/<id>")
+    write_batch_size: Int = _field(128, "embeddings written per batch", ge=1)
+    disabled: bool = _field(False, "leave this backend out")
+
+    @model_validator(mode="after")
+    def _default_dir(self) -> TextEmbedsBackend:
+        if self.cache_dir is None:
+            self.cache_dir = f"cache/text/{self.id}"
+        return self
+
+
+Backend = Union[DatasetBackend, TextEmbedsBackend]
+
+
+@dataclass
+class DataBackends:
+    """A validated multidatabackend.json.
+
+    ``datasets``: the enabled image/eval datasets in file order; ``text_embeds``: the text-embeds backend in use;
+    ``disabled``: ids of entries marked ``disabled``; ``warnings``: unknown keys and similar, as ``path: message``.
+    """
+
+    datasets: list[DatasetBackend]
+    text_embeds: TextEmbedsBackend
+    warnings: list[str] = field(default_factory=list)
+    disabled: list[str] = field(default_factory=list)
+    source: str | None = None
+
+    @property
+    def image_datasets(self) -> list[DatasetBackend]:
+        """Enabled training datasets (``dataset_type`` image)."""
+        return [d for d in self.datasets if d.dataset_type == "image"]
+
+    @property
+    def eval_datasets(self) -> list[DatasetBackend]:
+        """Enabled evaluation datasets (``dataset_type`` eval)."""
+        return [d for d in self.datasets if d.dataset_type == "eval"]
+
+
+def _is_true(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return value is True or value == 1
+
+
+def _entry_path(index: int, entry: Any) -> str:
+    ident = entry.get("id") if isinstance(entry, Mapping) else None
+    if isinstance(ident, str) and ident and not any(c in ident for c in "[]"):
+        return f"datasets[{ident}]"
+    return f"datasets[{index}]"
+
+
+def _unsupported(entry: Mapping[str, Any], path: str) -> list[FieldError]:
+    errors = []
+    for key, values in _NOT_YET.items():
+        value = entry.get(key)
+        if isinstance(value, str) and value.strip().lower() in values:
+            if key == "type":
+                msg = f"{value!r} is not supported yet; only 'local' backends are supported"
+            else:
+                msg = f"{value!r} is not supported yet"
+            errors.append(FieldError(f"{path}.{key}", msg))
+    return errors
+
+
+def parse_data_backends(
+    entries: Any,
+    *,
+    resolution: float | None = None,
+    resolution_type: str | None = None,
+    source: str | None = None,
+) -> DataBackends:
+    """Validate the contents of a multidatabackend.json (a list of backend objects).
+
+    Datasets without ``resolution``/``resolution_type`` take the given defaults (the config's ``resolution`` and
+    ``resolution_type``; 1024 / pixel_area when None). Raises ConfigError listing every problem.
+    """
+    if isinstance(entries, Mapping):
+        raise ConfigError([FieldError("datasets", "expected a JSON list of backends, got an object")], source)
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
+        raise ConfigError([FieldError("datasets", f"expected a JSON list of backends, got {entries!r}")], source)
+    errors: list[FieldError] = []
+    warnings: list[str] = []
+    datasets: list[DatasetBackend] = []
+    text_embeds: list[TextEmbedsBackend] = []
+    disabled: list[str] = []
+    seen_ids: dict[str, int] = {}
+
+    for index, entry in enumerate(entries):
+        path = _entry_path(index, entry)
+        if not isinstance(entry, Mapping):
+            errors.append(FieldError(path, f"expected an object, got {entry!r}"))
+            continue
+        entry = {str(k).lstrip("-"): v for k, v in entry.items()}
+        if "is_regularization_data" in entry and "is_regularisation_data" not in entry:
+            entry["is_regularisation_data"] = entry.pop("is_regularization_data")
+        ident = entry.get("id")
+        if isinstance(ident, str) and ident:
+            if ident in seen_ids:
+                errors.append(
+                    FieldError(f"{path}.id", f"duplicate id {ident!r} (also used by entry {seen_ids[ident]})")
+                )
+            seen_ids.setdefault(ident, index)
+        if _is_true(entry.get("disabled")):
+            # SimpleTuner skips disabled entries entirely, so a half-written one does not block training.
+            disabled.append(str(ident) if ident else path)
+            continue
+        not_yet = _unsupported(entry, path)
+        if not_yet:
+            errors.extend(not_yet)
+            continue
+        kind = str(entry.get("dataset_type", "image")).strip().lower()
+        model: type[_Backend] = TextEmbedsBackend if kind == "text_embeds" else DatasetBackend
+        known = model.model_fields
+        for key in list(entry):
+            if key not in known:
+                del entry[key]
+                if key in UNSUPPORTED_DATASET_KEYS:
+                    warnings.append(f"{path}.{key}: a SimpleTuner option this version does not support; ignored")
+                else:
+                    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    warnings.append(f"{path}.{key}: unknown key, ignored{hint}")
+        try:
+            backend = model.model_validate(entry)
+        except ValidationError as exc:
+            errors.extend(errors_from_validation(exc, prefix=path))
+            continue
+        if isinstance(backend, TextEmbedsBackend):
+            text_embeds.append(backend)
+        else:
+            if backend.resolution_type is None:
+                backend.resolution_type = resolution_type or "pixel_area"  # type: ignore[assignment]
+            if backend.resolution is None:
+                backend.resolution = resolution if resolution is not None else 1024
+                message = check_resolution(backend.resolution, backend.resolution_type)
+                if message:
+                    errors.append(FieldError(f"{path}.resolution", f"(from the config) {message}"))
+            datasets.append(backend)
+
+    if not any(d.dataset_type == "image" for d in datasets):
+        errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image'"))
+    chosen: TextEmbedsBackend | None = None
+    if not text_embeds:
+        errors.append(
+            FieldError(
+                "datasets",
+                'a text_embeds backend is required, e.g. {"id": "text-embeds", "dataset_type": "text_embeds", '
+                '"type": "local", "default": true}',
+            )
+        )
+    elif len(text_embeds) == 1:
+        chosen = text_embeds[0]
+    else:
+        defaults = [t for t in text_embeds if t.default]
+        if len(defaults) != 1:
+            ids = ", ".join(t.id for t in text_embeds)
+            errors.append(
+                FieldError(
+                    "datasets",
+                    f"{len(text_embeds)} text_embeds backends ({ids}) need exactly one with \"default\": true, "
+                    f"found {len(defaults)}",
+                )
+            )
+        else:
+            chosen = defaults[0]
+            warnings.append(
+                "datasets: " + f"{len(text_embeds)} text_embeds backends; using the default one, {chosen.id!r}"
+            )
+    if errors:
+        raise ConfigError(errors, source)
+    assert chosen is not None
+    return DataBackends(datasets=datasets, text_embeds=chosen, warnings=warnings, disabled=disabled, source=source)
+
+
+def load_data_backends(
+    source: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
+    *,
+    resolution: float | None = None,
+    resolution_type: str | None = None,
+) -> DataBackends:
+    """Load and validate multidatabackend.json (a path) or its contents (a list of backend objects).
+
+    See :func:`parse_data_backends`; errors from a file are attributed to it.
+    """
+    from .loader import read_json
+
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+        return parse_data_backends(read_json(source), resolution=resolution, resolution_type=resolution_type, source=name)
+    return parse_data_backends(source, resolution=resolution, resolution_type=resolution_type)
+
+
+def check_paths(backends: DataBackends, cwd: str | os.PathLike[str] | None = None) -> list[str]:
+    """Warnings (``path: message``) for dataset folders that do not exist or hold no files.
+
+    Relative folders are taken from ``cwd`` (default: the working directory), as SimpleTuner does.
+    """
+    base = Path(cwd) if cwd is not None else Path.cwd()
+    warnings = []
+    for index, dataset in enumerate(backends.datasets):
+        folder = Path(dataset.instance_data_dir).expanduser()
+        folder = folder if folder.is_absolute() else base / folder
+        where = f"datasets[{dataset.id}].instance_data_dir"
+        if not folder.exists():
+            warnings.append(f"{where}: folder {dataset.instance_data_dir!r} does not exist")
+        elif not folder.is_dir():
+            warnings.append(f"{where}: {dataset.instance_data_dir!r} is not a folder")
+        elif next(folder.iterdir(), None) is None:
+            warnings.append(f"{where}: folder {dataset.instance_data_dir!r} is empty")
+    return warnings
