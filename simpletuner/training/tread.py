@@ -1,0 +1,398 @@
+"""TREAD token routing for DiT training (Krause et al. 2025, "TREAD: Token Routing for Efficient Architecture-agnostic
+Diffusion Training", arXiv 2501.04765).
+
+A route covers a window of transformer blocks. At the route's first block a subset of the image tokens is selected;
+only those go through the route's blocks, the rest skip them unchanged, and after the route's last block the
+processed tokens are scattered back into the full sequence. Every token keeps a gradient path (kept tokens through
+the blocks, routed-around tokens through the skip), text tokens are never dropped, and the attention cost inside
+the route falls with the square of the kept fraction.
+
+`selection_ratio` is the fraction of image tokens routed AROUND the blocks: 0.5 keeps round(0.5 * N) tokens.
+
+Usage (the transformer's own forward is untouched; everything happens in removable forward hooks):
+
+    layout = TreadLayout(blocks=list(t.transformer_blocks) + list(t.single_transformer_blocks))
+    handle = apply_tread(t, [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}], layout)
+    ...                      # training forwards are routed; eval / no_grad forwards run the full sequence
+    with handle.force_keep(mask):   # bool per image token; these tokens are always kept
+        loss = ...
+    handle.remove()
+
+Routing is active when the handle is enabled and the block is in training mode with grad enabled (or
+`handle.route_in_eval` is set). The selection is drawn once per forward and stored on the route's input tensor, so
+gradient checkpointing's recompute (which re-runs the block hooks with the same input tensors) reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TREADRouter",
+    "TreadHandle",
+    "TreadLayout",
+    "TreadRoute",
+    "apply_tread",
+    "resolve_routes",
+    "slice_concat_rotary",
+]
+
+FIELD = "tread_config.routes"
+
+
+@dataclass(frozen=True)
+class TreadRoute:
+    """One resolved route: blocks start_layer_idx..end_layer_idx (inclusive, non-negative) see a token subset."""
+
+    selection_ratio: float
+    start_layer_idx: int
+    end_layer_idx: int
+
+
+def _route_value(route: Any, i: int, name: str) -> Any:
+    if isinstance(route, Mapping):
+        if name not in route:
+            raise ValueError(f"{FIELD}[{i}].{name}: missing")
+        return route[name]
+    if not hasattr(route, name):
+        raise ValueError(f"{FIELD}[{i}].{name}: missing")
+    return getattr(route, name)
+
+
+def resolve_routes(routes: Sequence[Any] | None, num_layers: int) -> list[TreadRoute]:
+    """Validate routes (dicts or objects with selection_ratio/start_layer_idx/end_layer_idx) against a model with
+    `num_layers` blocks; resolve negative indices (-1 = last block). Raises ValueError naming the field."""
+    if not routes:
+        raise ValueError(f"{FIELD}: TREAD training requires you to configure the routes")
+    if num_layers < 1:
+        raise ValueError(f"{FIELD}: the model has no blocks to route")
+    resolved: list[TreadRoute] = []
+    for i, route in enumerate(routes):
+        ratio = _route_value(route, i, "selection_ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise ValueError(f"{FIELD}[{i}].selection_ratio: {ratio!r} must be a number in [0, 1)")
+        indices = []
+        for name in ("start_layer_idx", "end_layer_idx"):
+            raw = _route_value(route, i, name)
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise ValueError(f"{FIELD}[{i}].{name}: {raw!r} must be an integer layer index")
+            idx = raw + num_layers if raw < 0 else raw
+            if idx >= num_layers:
+                raise ValueError(f"{FIELD}[{i}].{name}: {raw} is past the last layer ({num_layers - 1})")
+            if idx < 0:
+                raise ValueError(f"{FIELD}[{i}].{name}: {raw} is before the first layer (the model has {num_layers})")
+            indices.append(idx)
+        start, end = indices
+        if end < start:
+            raise ValueError(
+                f"{FIELD}[{i}].end_layer_idx: {_route_value(route, i, 'end_layer_idx')} resolves to layer {end}, "
+                f"before start_layer_idx (layer {start})"
+            )
+        resolved.append(TreadRoute(float(ratio), start, end))
+    order = sorted(range(len(resolved)), key=lambda j: resolved[j].start_layer_idx)
+    for a, b in itertools.pairwise(order):
+        if resolved[b].start_layer_idx <= resolved[a].end_layer_idx:
+            raise ValueError(
+                f"{FIELD}[{b}].start_layer_idx: layers {resolved[b].start_layer_idx}..{resolved[b].end_layer_idx} "
+                f"overlap routes[{a}] (layers {resolved[a].start_layer_idx}..{resolved[a].end_layer_idx})"
+            )
+    return resolved
+
+
+class TREADRouter:
+    """Chooses which image tokens a route keeps, and moves tokens in and out of the kept subset.
+
+    Score per token = importance_weight * (rank of its L1 norm, scaled to [0, 1])
+                      + (1 - importance_weight) * uniform noise;
+    the highest-scoring tokens are kept. importance_weight=0 is purely random routing (the paper's default),
+    1 keeps the largest-norm tokens deterministically.
+    """
+
+    def __init__(self, *, importance_weight: float = 0.5, generator: torch.Generator | None = None):
+        if not 0 <= importance_weight <= 1:
+            raise ValueError(f"importance_weight: {importance_weight} must be in [0, 1]")
+        self.importance_weight = importance_weight
+        self.generator = generator
+
+    @staticmethod
+    def kept_count(num_tokens: int, selection_ratio: float, num_forced: int = 0) -> int:
+        """Tokens a route keeps: the forced ones plus round((1 - selection_ratio) * the rest), at least one."""
+        free = num_tokens - num_forced
+        kept = num_forced + math.floor((1.0 - selection_ratio) * free + 0.5)
+        return max(1, min(num_tokens, kept))
+
+    def select(
+        self,
+        tokens: torch.Tensor,
+        selection_ratio: float,
+        *,
+        force_keep: torch.Tensor | None = None,
+        shared: bool = True,
+    ) -> torch.Tensor:
+        """Indices (batch, kept) of the image tokens to keep, ascending. `tokens` is (batch, N, dim).
+
+        `force_keep` (bool, (N,) or (batch, N)) marks tokens that are always kept. With `shared` one subset serves
+        the whole batch (needed where positions/RoPE have no batch dimension, as in Flux); a forced token in any
+        sample is then kept for all of them.
+        """
+        batch, num, _ = tokens.shape
+        with torch.no_grad():
+            norms = tokens.detach().float().abs().sum(-1)  # (B, N)
+            if shared:
+                norms = norms.mean(0, keepdim=True)
+            ranks = norms.argsort(-1).argsort(-1).float() / max(num - 1, 1)
+            gen = self.generator
+            noise_device = gen.device if gen is not None else tokens.device
+            noise = torch.rand(ranks.shape, generator=gen, device=noise_device).to(tokens.device)
+            score = self.importance_weight * ranks + (1.0 - self.importance_weight) * noise
+            num_forced = 0
+            if force_keep is not None:
+                mask = _check_mask(force_keep, batch, num).to(tokens.device)
+                if shared:
+                    mask = mask.any(0, keepdim=True)
+                score = score.masked_fill(mask, 2.0)  # above every unforced score (those are <= 1)
+                num_forced = int(mask.sum(-1).max())
+            kept = self.kept_count(num, selection_ratio, num_forced)
+            idx = score.topk(kept, dim=-1).indices.sort(-1).values
+            return idx.expand(batch, kept) if shared else idx
+
+    @staticmethod
+    def gather(tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """tokens (B, N, D), idx (B, K) -> (B, K, D)."""
+        return tokens.gather(1, idx.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
+
+    @staticmethod
+    def scatter(full: torch.Tensor, routed: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Out-of-place: `full` with rows idx replaced by `routed`; gradients reach both."""
+        return full.scatter(1, idx.unsqueeze(-1).expand(-1, -1, full.shape[-1]), routed.to(full.dtype))
+
+
+def _check_mask(mask: torch.Tensor, batch: int, num: int) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError("force_keep: expected a bool tensor with one entry per image token")
+    if mask.dim() == 1:
+        mask = mask.unsqueeze(0)
+    if mask.dim() != 2 or mask.shape[-1] != num or mask.shape[0] not in (1, batch):
+        raise ValueError(
+            f"force_keep: mask shape {tuple(mask.shape)} does not match the image tokens ({batch}, {num})"
+        )
+    return mask
+
+
+def slice_concat_rotary(rotary: Any, idx: torch.Tensor, text_len: int) -> Any:
+    """Rotary embedding laid out over concat(text, image) positions (Flux: a (cos, sin) tuple of (S, D) tensors, no
+    batch dim): keep every text position and the kept image positions. Needs a batch-shared selection."""
+    if rotary is None:
+        return None
+    kept = idx[0]
+    if idx.shape[0] > 1 and not bool((idx == kept).all()):
+        raise ValueError("slice_concat_rotary: RoPE without a batch dimension needs shared_selection=True")
+    tensors = rotary if isinstance(rotary, (tuple, list)) else (rotary,)
+    rows = torch.cat([torch.arange(text_len, device=kept.device), kept + text_len]).to(tensors[0].device)
+    sliced = tuple(t.index_select(0, rows) for t in tensors)
+    return type(rotary)(sliced) if isinstance(rotary, (tuple, list)) else sliced[0]
+
+
+@dataclass
+class TreadLayout:
+    """How a model family's blocks carry tokens. Defaults describe diffusers' Flux blocks (double and single):
+    `block(hidden_states=img, encoder_hidden_states=txt, temb, image_rotary_emb, joint_attention_kwargs)` ->
+    `(encoder_hidden_states, hidden_states)`; with gradient checkpointing the same arguments arrive positionally."""
+
+    blocks: list[nn.Module]
+    image_arg: str = "hidden_states"
+    image_pos: int = 0
+    text_arg: str | None = "encoder_hidden_states"  # only its length is used (for slicing positions)
+    text_pos: int | None = 1
+    rotary_arg: str | None = "image_rotary_emb"
+    rotary_pos: int | None = 3
+    image_output: int | None = 1  # index of the image tokens in the block's output tuple; None: output is them
+    slice_rotary: Callable[[Any, torch.Tensor, int], Any] = slice_concat_rotary
+    shared_selection: bool = True
+
+
+def _get(args: tuple, kwargs: dict, name: str | None, pos: int | None) -> Any:
+    if name is not None and name in kwargs:
+        return kwargs[name]
+    if pos is not None and pos < len(args):
+        return args[pos]
+    return None
+
+
+def _put(args: tuple, kwargs: dict, name: str | None, pos: int | None, value: Any) -> tuple[tuple, dict]:
+    if name is not None and name in kwargs:
+        kwargs = dict(kwargs)
+        kwargs[name] = value
+    elif pos is not None and pos < len(args):
+        args = args[:pos] + (value,) + args[pos + 1:]
+    elif name is not None:
+        kwargs = dict(kwargs)
+        kwargs[name] = value
+    return args, kwargs
+
+
+@dataclass
+class _Selection:
+    idx: torch.Tensor  # (B, K)
+    rotary: Any  # rotary sliced to text + kept image positions
+    text_len: int
+
+
+@dataclass
+class _RouteContext:
+    selection: _Selection
+    full: torch.Tensor  # image tokens as they entered the route; routed-around tokens leave it unchanged
+
+
+_handle_ids = itertools.count()
+
+
+@dataclass
+class TreadHandle:
+    """Returned by apply_tread. `enabled=False` turns routing off; `remove()` detaches every hook."""
+
+    module: nn.Module
+    routes: list[TreadRoute]
+    layout: TreadLayout
+    router: TREADRouter
+    enabled: bool = True
+    route_in_eval: bool = False
+    hooks: dict[str, Any] = field(default_factory=dict)
+    last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    _force_keep: torch.Tensor | None = None
+    _token: int = field(default_factory=lambda: next(_handle_ids))
+
+    @property
+    def _sel_attr(self) -> str:
+        return f"_tread_selection_{self._token}"
+
+    @property
+    def _ctx_attr(self) -> str:
+        return f"_tread_context_{self._token}"
+
+    def set_force_keep(self, mask: torch.Tensor | None) -> None:
+        """Image tokens to keep in every route from the next forward on ((N,) or (B, N) bool); None clears."""
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+            raise ValueError("force_keep: expected a bool tensor with one entry per image token")
+        self._force_keep = mask
+
+    @contextlib.contextmanager
+    def force_keep(self, mask: torch.Tensor | None) -> Iterator[None]:
+        previous = self._force_keep
+        self.set_force_keep(mask)
+        try:
+            yield
+        finally:
+            self._force_keep = previous
+
+    def remove(self) -> None:
+        for hook in self.hooks.values():
+            hook.remove()
+        self.hooks.clear()
+        if getattr(self.module, "_tread_handle", None) is self:
+            del self.module._tread_handle
+
+    def _routing(self, block: nn.Module) -> bool:
+        return self.enabled and (self.route_in_eval or (block.training and torch.is_grad_enabled()))
+
+
+def apply_tread(
+    module: nn.Module,
+    routes: Sequence[Any],
+    layout: TreadLayout,
+    *,
+    generator: torch.Generator | None = None,
+    importance_weight: float = 0.5,
+) -> TreadHandle:
+    """Attach TREAD routing hooks to `layout.blocks` of `module` for `routes` (see resolve_routes). Everything is
+    validated before any hook is attached. Returns a TreadHandle (remove() restores the unrouted model)."""
+    if getattr(module, "_tread_handle", None) is not None:
+        raise ValueError("tread_config: TREAD is already applied to this model; remove() the first handle")
+    blocks = list(layout.blocks)
+    if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+        raise ValueError("TreadLayout.blocks: expected a non-empty list of nn.Module blocks")
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise ValueError("TreadLayout.blocks: a block is listed twice")
+    owned = {id(m) for m in module.modules()}
+    if not all(id(b) in owned for b in blocks):
+        raise ValueError("TreadLayout.blocks: every block must be a submodule of the model")
+    resolved = resolve_routes(routes, len(blocks))
+    handle = TreadHandle(module, resolved, layout, TREADRouter(importance_weight=importance_weight,
+                                                              generator=generator))
+
+    for r, route in enumerate(resolved):
+        for i in range(route.start_layer_idx, route.end_layer_idx + 1):
+            first, last = i == route.start_layer_idx, i == route.end_layer_idx
+            pre = _make_pre_hook(handle, r, route, first)
+            post = _make_post_hook(handle, last)
+            handle.hooks[f"tread.route{r}.block{i}.pre"] = blocks[i].register_forward_pre_hook(pre, with_kwargs=True)
+            handle.hooks[f"tread.route{r}.block{i}.post"] = blocks[i].register_forward_hook(post, with_kwargs=True)
+    module._tread_handle = handle
+    return handle
+
+
+def _make_pre_hook(handle: TreadHandle, r: int, route: TreadRoute, first: bool):
+    layout = handle.layout
+
+    def pre_hook(block: nn.Module, args: tuple, kwargs: dict):
+        img = _get(args, kwargs, layout.image_arg, layout.image_pos)
+        if img is None:
+            return None
+        if first:
+            # Drawn once per forward: a checkpoint recompute re-enters with this same tensor and finds the selection.
+            selection = getattr(img, handle._sel_attr, None)
+            if selection is None:
+                if not handle._routing(block):
+                    return None
+                text = _get(args, kwargs, layout.text_arg, layout.text_pos)
+                text_len = text.shape[1] if text is not None else 0
+                idx = handle.router.select(img, route.selection_ratio, force_keep=handle._force_keep,
+                                           shared=layout.shared_selection)
+                rotary = _get(args, kwargs, layout.rotary_arg, layout.rotary_pos)
+                if layout.rotary_arg is not None and rotary is not None:
+                    rotary = layout.slice_rotary(rotary, idx, text_len)
+                selection = _Selection(idx, rotary, text_len)
+                setattr(img, handle._sel_attr, selection)
+                handle.last_selection[r] = idx
+            routed = TREADRouter.gather(img, selection.idx)
+            setattr(routed, handle._ctx_attr, _RouteContext(selection, img))
+        else:
+            context = getattr(img, handle._ctx_attr, None)
+            if context is None:
+                return None
+            selection, routed = context.selection, img
+        args, kwargs = _put(args, kwargs, layout.image_arg, layout.image_pos, routed)
+        if layout.rotary_arg is not None and selection.rotary is not None:
+            args, kwargs = _put(args, kwargs, layout.rotary_arg, layout.rotary_pos, selection.rotary)
+        return args, kwargs
+
+    return pre_hook
+
+
+def _make_post_hook(handle: TreadHandle, last: bool):
+    layout = handle.layout
+
+    def post_hook(block: nn.Module, args: tuple, kwargs: dict, output: Any):
+        img_in = _get(args, kwargs, layout.image_arg, layout.image_pos)
+        context = getattr(img_in, handle._ctx_attr, None) if img_in is not None else None
+        if context is None:
+            return None
+        img_out = output if layout.image_output is None else output[layout.image_output]
+        if not last:
+            setattr(img_out, handle._ctx_attr, context)
+            return None
+        merged = TREADRouter.scatter(context.full, img_out, context.selection.idx)
+        if layout.image_output is None:
+            return merged
+        out = list(output)
+        out[layout.image_output] = merged
+        return type(output)(out) if isinstance(output, tuple) else out
+
+    return post_hook

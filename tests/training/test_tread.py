@@ -1,0 +1,269 @@
+"""TREAD token routing on a tiny diffusers Flux transformer (2 double + 4 single blocks = 6 layers)."""
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+from simpletuner.training.tread import TREADRouter, TreadLayout, apply_tread, resolve_routes
+
+NUM_IMG, NUM_TXT = 64, 8
+
+
+def tiny_flux(seed=0):
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def layout(t):
+    return TreadLayout(blocks=list(t.transformer_blocks) + list(t.single_transformer_blocks))
+
+
+def flux_inputs(seed=1, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(batch, NUM_IMG, 16, generator=g),
+        encoder_hidden_states=torch.randn(batch, NUM_TXT, 32, generator=g),
+        pooled_projections=torch.randn(batch, 32, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        img_ids=torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(8.0), indexing="ij"),
+                            -1).reshape(-1, 3),
+        txt_ids=torch.zeros(NUM_TXT, 3),
+        guidance=torch.full((batch,), 3.5),
+    )
+
+
+def route(ratio=0.5, start=2, end=-2):
+    return {"selection_ratio": ratio, "start_layer_idx": start, "end_layer_idx": end}
+
+
+def capture(block, store, key):
+    def hook(module, args, kwargs):
+        store.setdefault(key, []).append(dict(
+            img=kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+            txt=kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1],
+            rope=kwargs["image_rotary_emb"] if "image_rotary_emb" in kwargs else args[3],
+        ))
+    return block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_gradients_reach_every_image_token():
+    t = tiny_flux()
+    handle = apply_tread(t, [route(0.7, 0, -1)], layout(t), generator=torch.Generator().manual_seed(0))
+    inputs = flux_inputs()
+    x = inputs.pop("hidden_states").requires_grad_(True)
+    t(hidden_states=x, **inputs).sample.square().mean().backward()
+    assert handle.last_selection[0].shape[1] < NUM_IMG  # most tokens were routed around every block
+    assert (x.grad.abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.7, 0.99])
+def test_kept_count_matches_ratio_and_text_is_never_dropped(ratio):
+    t = tiny_flux()
+    blocks = layout(t).blocks
+    seen = {}
+    apply_tread(t, [route(ratio, 2, -2)], layout(t))
+    hooks = [capture(b, seen, i) for i, b in enumerate(blocks)]
+    t(**flux_inputs())
+    kept = max(1, round((1 - ratio) * NUM_IMG))
+    for i in range(len(blocks)):
+        (call,) = seen[i]
+        assert call["img"].shape[1] == (kept if 2 <= i <= 4 else NUM_IMG), i
+        assert call["txt"].shape[1] == NUM_TXT
+        assert call["rope"][0].shape[0] == NUM_TXT + call["img"].shape[1]
+    for h in hooks:
+        h.remove()
+
+
+def test_rotary_is_sliced_to_text_and_kept_positions():
+    t = tiny_flux()
+    seen = {}
+    blocks = layout(t).blocks
+    capture(blocks[1], seen, "full")  # registered first: sees the unrouted arguments
+    handle = apply_tread(t, [route(0.5, 1, 3)], layout(t))
+    capture(blocks[2], seen, "routed")
+    t(**flux_inputs())
+    idx = handle.last_selection[0][0]
+    full_cos, full_sin = seen["full"][0]["rope"]
+    cos, sin = seen["routed"][0]["rope"]
+    rows = torch.cat([torch.arange(NUM_TXT), idx + NUM_TXT])
+    assert torch.equal(cos, full_cos[rows]) and torch.equal(sin, full_sin[rows])
+
+
+def test_routed_around_tokens_skip_the_blocks_unchanged():
+    t = tiny_flux()
+    blocks = layout(t).blocks
+    entering, leaving = {}, {}
+    blocks[1].register_forward_pre_hook(lambda m, a, k: entering.update(img=k["hidden_states"]), with_kwargs=True)
+    handle = apply_tread(t, [route(0.5, 1, 4)], layout(t))
+    blocks[4].register_forward_hook(lambda m, a, k, out: leaving.update(img=out[1]), with_kwargs=True)
+    t(**flux_inputs())
+    kept = torch.zeros(NUM_IMG, dtype=torch.bool)
+    kept[handle.last_selection[0][0]] = True
+    assert leaving["img"].shape == entering["img"].shape
+    assert torch.equal(leaving["img"][:, ~kept], entering["img"][:, ~kept])
+    assert not torch.allclose(leaving["img"][:, kept], entering["img"][:, kept])
+
+
+def test_selection_ratio_zero_keeps_everything_and_matches_unrouted():
+    t = tiny_flux()
+    inputs = flux_inputs()
+    reference = t(**inputs).sample
+    apply_tread(t, [route(0.0, 0, -1)], layout(t))
+    assert torch.allclose(t(**inputs).sample, reference, atol=1e-6)
+
+
+def test_forced_tokens_are_always_kept_and_the_kept_count_grows():
+    t = tiny_flux()
+    handle = apply_tread(t, [route(0.7, 1, 4)], layout(t), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(2, NUM_IMG, dtype=torch.bool)
+    mask[0, :10] = True
+    mask[1, 50:60] = True  # shared selection: the union (20 tokens) is kept for both samples
+    forced = mask.any(0)
+    inputs = flux_inputs()
+    with handle.force_keep(mask):
+        for _ in range(3):
+            t(**inputs)
+            idx = handle.last_selection[0]
+            assert forced[idx[0]].sum() == 20 and (idx[0] == idx[1]).all()
+            assert idx.shape[1] == 20 + round(0.3 * (NUM_IMG - 20))
+    t(**inputs)
+    assert handle.last_selection[0].shape[1] == round(0.3 * NUM_IMG)  # context manager cleared the mask
+    handle.set_force_keep(torch.ones(NUM_IMG, dtype=torch.bool))
+    t(**inputs)
+    assert handle.last_selection[0].shape[1] == NUM_IMG
+
+
+def test_disabled_or_removed_routes_equal_the_unrouted_model_exactly():
+    t = tiny_flux()
+    inputs = flux_inputs()
+    reference = t(**inputs).sample
+    handle = apply_tread(t, [route(0.5, 0, 2), route(0.25, 3, -1)], layout(t))
+    assert not torch.equal(t(**inputs).sample, reference)
+    handle.enabled = False
+    assert torch.equal(t(**inputs).sample, reference)
+    handle.enabled = True
+    handle.remove()
+    assert not handle.hooks and not hasattr(t, "_tread_handle")
+    assert torch.equal(t(**inputs).sample, reference)
+    apply_tread(t, [route()], layout(t))  # can be applied again after remove()
+
+
+def test_eval_mode_and_no_grad_run_the_full_sequence():
+    t = tiny_flux()
+    inputs = flux_inputs()
+    t.eval()
+    reference = t(**inputs).sample
+    handle = apply_tread(t, [route(0.5, 0, -1)], layout(t))
+    assert torch.equal(t(**inputs).sample, reference)
+    t.train()
+    with torch.no_grad():
+        assert torch.equal(t(**inputs).sample, reference)
+    handle.route_in_eval = True
+    t.eval()
+    assert not torch.equal(t(**inputs).sample, reference)
+
+
+def test_negative_indices_resolve_against_total_blocks():
+    routes = resolve_routes([route(0.5, 2, -2), {"selection_ratio": 0.1, "start_layer_idx": -1,
+                                                 "end_layer_idx": -1}], 6)
+    assert [(r.start_layer_idx, r.end_layer_idx) for r in routes] == [(2, 4), (5, 5)]
+    assert resolve_routes([route(0.5, -6, 0)], 6)[0].start_layer_idx == 0
+    t = tiny_flux()
+    handle = apply_tread(t, [route(0.5, -4, -3)], layout(t))
+    assert sorted(handle.hooks) == ["tread.route0.block2.post", "tread.route0.block2.pre",
+                                    "tread.route0.block3.post", "tread.route0.block3.pre"]
+
+
+@pytest.mark.parametrize(
+    "routes, message",
+    [
+        ([], r"tread_config.routes: TREAD training requires you to configure the routes"),
+        (None, r"TREAD training requires you to configure the routes"),
+        ([route(1.0)], r"tread_config.routes\[0\].selection_ratio: 1.0 must be a number in \[0, 1\)"),
+        ([route(-0.1)], r"routes\[0\].selection_ratio"),
+        ([route(0.5, 0, 1), route(0.5, 2, 40)], r"tread_config.routes\[1\].end_layer_idx: 40 is past the last layer \(5\)"),
+        ([route(0.5, -7, 2)], r"routes\[0\].start_layer_idx: -7 is before the first layer"),
+        ([route(0.5, 4, 2)], r"routes\[0\].end_layer_idx: 2 resolves to layer 2, before start_layer_idx \(layer 4\)"),
+        ([route(0.5, 3, -1), route(0.5, 0, 3)], r"routes\[0\].start_layer_idx: layers 3..5 overlap routes\[1\]"),
+        ([{"selection_ratio": 0.5, "start_layer_idx": 0}], r"routes\[0\].end_layer_idx: missing"),
+        ([route(0.5, 1.5, 3)], r"routes\[0\].start_layer_idx: 1.5 must be an integer"),
+    ],
+)
+def test_route_validation_names_the_field(routes, message):
+    t = tiny_flux()
+    with pytest.raises(ValueError, match=message):
+        apply_tread(t, routes, layout(t))
+    assert not t.transformer_blocks[0]._forward_pre_hooks  # validated before any hook was attached
+
+
+def test_applying_twice_is_refused():
+    t = tiny_flux()
+    apply_tread(t, [route()], layout(t))
+    with pytest.raises(ValueError, match="already applied"):
+        apply_tread(t, [route()], layout(t))
+
+
+def _step(t, inputs, seed):
+    handle = apply_tread(t, [route(0.5, 1, -2)], layout(t), generator=torch.Generator().manual_seed(seed))
+    draws = []
+    select = handle.router.select
+    handle.router.select = lambda *a, **k: draws.append(1) or select(*a, **k)
+    x = inputs["hidden_states"].clone().requires_grad_(True)
+    loss = t(**{**inputs, "hidden_states": x}).sample.square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in t.named_parameters()}
+    handle.remove()
+    return loss.detach(), x.grad, grads, handle.last_selection[0], len(draws)
+
+
+def test_gradient_checkpointing_reuses_the_selection_and_matches():
+    inputs = flux_inputs()
+    plain = _step(tiny_flux(), inputs, seed=5)
+    checkpointed_model = tiny_flux()
+    checkpointed_model.enable_gradient_checkpointing()  # blocks are now called with positional args
+    checkpointed = _step(checkpointed_model, inputs, seed=5)
+    assert plain[4] == checkpointed[4] == 1  # one draw per forward; the recompute reused it
+    assert torch.equal(plain[3], checkpointed[3])
+    assert torch.allclose(plain[0], checkpointed[0], atol=1e-6)
+    assert torch.allclose(plain[1], checkpointed[1], atol=1e-6)
+    for name, grad in plain[2].items():
+        assert torch.allclose(grad, checkpointed[2][name], atol=1e-5), name
+
+
+def test_two_forwards_before_backward_keep_their_own_selection():
+    t = tiny_flux()
+    t.enable_gradient_checkpointing()
+    inputs = flux_inputs()
+    handle = apply_tread(t, [route(0.5, 1, -2)], layout(t), generator=torch.Generator().manual_seed(1))
+    x1 = inputs["hidden_states"].clone().requires_grad_(True)
+    loss1 = t(**{**inputs, "hidden_states": x1}).sample.square().mean()
+    first = handle.last_selection[0]
+    loss2 = t(**inputs).sample.square().mean()  # draws a different subset
+    assert not torch.equal(first, handle.last_selection[0])
+    (loss1 + 0 * loss2).backward()
+    t.disable_gradient_checkpointing()
+    handle.router.generator = torch.Generator().manual_seed(1)
+    x2 = inputs["hidden_states"].clone().requires_grad_(True)
+    t(**{**inputs, "hidden_states": x2}).sample.square().mean().backward()
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-6)
+
+
+def test_router_selection_properties():
+    router = TREADRouter(importance_weight=1.0)
+    tokens = torch.randn(3, 20, 4)
+    tokens[:, 5] *= 100
+    idx = router.select(tokens, 0.5, shared=False)
+    assert idx.shape == (3, 10)
+    assert (idx.diff(dim=-1) > 0).all()  # unique and ascending
+    assert (idx == 5).any(-1).all()  # the largest-norm token is kept when selection is purely by importance
+    assert TREADRouter.kept_count(64, 0.7) == 19 and TREADRouter.kept_count(64, 0.7, num_forced=64) == 64
+    assert TREADRouter.kept_count(4, 0.99) == 1
+    full = torch.randn(2, 6, 3)
+    merged = TREADRouter.scatter(full, torch.zeros(2, 2, 3), torch.tensor([[1, 4], [1, 4]]))
+    assert (merged[:, [1, 4]] == 0).all() and torch.equal(merged[:, [0, 2, 3, 5]], full[:, [0, 2, 3, 5]])
+    with pytest.raises(ValueError, match="force_keep: mask shape"):
+        router.select(tokens, 0.5, force_keep=torch.ones(7, dtype=torch.bool))
