@@ -221,6 +221,7 @@ def parse_data_backends(
     text_embeds: list[TextEmbedsBackend] = []
     disabled: list[str] = []
     seen_ids: dict[str, int] = {}
+    failed_kinds: set[str] = set()  # kinds of entries already reported invalid: no "missing" error for them
 
     for index, entry in enumerate(entries):
         path = _entry_path(index, entry)
@@ -241,11 +242,12 @@ def parse_data_backends(
             # SimpleTuner skips disabled entries entirely, so a half-written one does not block training.
             disabled.append(str(ident) if ident else path)
             continue
+        kind = str(entry.get("dataset_type", "image")).strip().lower()
         not_yet = _unsupported(entry, path)
         if not_yet:
             errors.extend(not_yet)
+            failed_kinds.add(kind)
             continue
-        kind = str(entry.get("dataset_type", "image")).strip().lower()
         model: type[_Backend] = TextEmbedsBackend if kind == "text_embeds" else DatasetBackend
         known = model.model_fields
         for key in list(entry):
@@ -261,6 +263,7 @@ def parse_data_backends(
             backend = model.model_validate(entry)
         except ValidationError as exc:
             errors.extend(errors_from_validation(exc, prefix=path))
+            failed_kinds.add("text_embeds" if model is TextEmbedsBackend else kind)
             continue
         if isinstance(backend, TextEmbedsBackend):
             text_embeds.append(backend)
@@ -274,10 +277,10 @@ def parse_data_backends(
                     errors.append(FieldError(f"{path}.resolution", f"(from the config) {message}"))
             datasets.append(backend)
 
-    if not any(d.dataset_type == "image" for d in datasets):
+    if not any(d.dataset_type == "image" for d in datasets) and "image" not in failed_kinds:
         errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image'"))
     chosen: TextEmbedsBackend | None = None
-    if not text_embeds:
+    if not text_embeds and "text_embeds" not in failed_kinds:
         errors.append(
             FieldError(
                 "datasets",
@@ -285,9 +288,9 @@ def parse_data_backends(
                 '"type": "local", "default": true}',
             )
         )
-    elif len(text_embeds) == 1:
+    elif len(text_embeds) == 1 and "text_embeds" not in failed_kinds:
         chosen = text_embeds[0]
-    else:
+    elif text_embeds and "text_embeds" not in failed_kinds:
         defaults = [t for t in text_embeds if t.default]
         if len(defaults) != 1:
             ids = ", ".join(t.id for t in text_embeds)

@@ -1,0 +1,172 @@
+"""``simpletuner validate`` and ``simpletuner configure`` in real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def simpletuner(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "simpletuner.cli", *args],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def project(tmp_path, make_config, make_backends):
+    """A folder laid out like a SimpleTuner checkout: config/config.json + config/multidatabackend.json."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(make_config()))
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(make_backends("datasets/pics")))
+    (tmp_path / "datasets" / "pics").mkdir(parents=True)
+    (tmp_path / "datasets" / "pics" / "a.png").write_bytes(b"")
+    return tmp_path
+
+
+def test_validate_ok(project):
+    result = simpletuner("validate", cwd=project)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "warning: config/config.json: flux_schedule_shift: renamed to flow_schedule_shift",
+        "OK",
+    ]
+
+
+def test_validate_reports_every_error_with_its_path(project, make_config, make_backends):
+    config = make_config(**{"--lr_scheduler": "cosin", "--lora_rank": "0"})
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    result = simpletuner("validate", "--config", "config/config.json", cwd=project)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert "config/config.json: lr_scheduler: 'cosin' is not one of constant, constant_with_warmup, linear, " \
+           "cosine, cosine_with_restarts, polynomial" in lines
+    assert "config/config.json: lora_rank: must be >= 1, got 0" in lines
+    assert "config/multidatabackend.json: datasets[pics].crop_style: 'middle' is not one of center, random, " \
+           "corner" in lines
+    assert "OK" not in lines
+    assert "3 errors" in result.stderr
+
+
+def test_validate_missing_dataset_folder_is_a_warning(project, make_backends):
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends("datasets/nowhere")))
+    result = simpletuner("validate", cwd=project)
+    assert result.returncode == 0
+    assert ("warning: config/multidatabackend.json: datasets[pics].instance_data_dir: folder 'datasets/nowhere' "
+            "does not exist") in result.stdout.splitlines()
+    assert result.stdout.splitlines()[-1] == "OK"
+
+
+def test_validate_data_backend_from_the_command_line(project, make_config, make_backends):
+    config = make_config()
+    del config["--data_backend_config"]
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    result = simpletuner("validate", cwd=project)
+    assert result.returncode == 1
+    assert "config/config.json: data_backend_config: not set" in result.stdout
+    (project / "other.json").write_text(json.dumps(make_backends("datasets/pics")))
+    result = simpletuner("validate", "--data_backend_config", "other.json", "--json", cwd=project)
+    assert result.returncode == 0
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["errors"] == [] and report["datasets"] == ["pics"]
+    assert report["config"]["model_family"] == "flux"
+
+
+def test_validate_json_errors_and_bad_json(project):
+    (project / "config" / "config.json").write_text('{"model_family": "flux",,}')
+    result = simpletuner("validate", "--json", cwd=project)
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    (error,) = report["errors"]
+    assert error["source"] == "config/config.json" and "line 1, column 25" in error["message"]
+
+
+def test_validate_does_not_import_torch(project):
+    code = textwrap.dedent(
+        """
+        import sys
+        from simpletuner.cli import main
+        rc = main(["validate", "--config", "config/config.json"])
+        heavy = [m for m in ("torch", "diffusers", "transformers", "simpletuner.models",
+                             "simpletuner.training", "simpletuner.server", "simpletuner.data")
+                 if m in sys.modules]
+        print("HEAVY", heavy)
+        sys.exit(rc)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "HEAVY []" in result.stdout
+
+
+# --- configure -------------------------------------------------------------------------------------------------
+
+ANSWERS = [
+    "sd3",  # planned family: re-asked
+    "flux",
+    "tiny",
+    "",  # model type: default lora
+    "8",
+    "200",
+    "-1",  # invalid learning rate: re-asked
+    "2e-4",
+    "datasets/cats",
+    "bogus",  # invalid caption strategy: re-asked
+    "instanceprompt",
+    "",  # instance prompt is required for instanceprompt: re-asked
+    "a photo of a cat",
+    "512",
+    "out/cats",
+]
+
+
+def test_configure_with_piped_answers(tmp_path):
+    result = simpletuner("configure", cwd=tmp_path, stdin="\n".join(ANSWERS) + "\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "invalid: 'sd3' is a SimpleTuner family that is planned" in result.stdout
+    assert "invalid: must be > 0" in result.stdout
+    assert "invalid: 'bogus' is not one of filename, textfile, instanceprompt" in result.stdout
+    assert "invalid: is required for caption_strategy 'instanceprompt'" in result.stdout
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert config["model_flavour"] == "tiny" and config["lora_rank"] == 8 and config["max_train_steps"] == 200
+    assert config["learning_rate"] == pytest.approx(2e-4) and config["output_dir"] == "out/cats"
+    assert config["data_backend_config"] == "config/multidatabackend.json"
+    backends = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
+    assert backends[0]["instance_data_dir"] == "datasets/cats" and backends[0]["resolution"] == 512
+    assert backends[0]["instance_prompt"] == "a photo of a cat"
+    assert backends[1]["dataset_type"] == "text_embeds"
+
+    # what it wrote validates (the missing dataset folder is only a warning)
+    validated = simpletuner("validate", cwd=tmp_path)
+    assert validated.returncode == 0, validated.stdout
+    assert "folder 'datasets/cats' does not exist" in validated.stdout
+
+    # and it refuses to overwrite without --force
+    again = simpletuner("configure", cwd=tmp_path, stdin="\n" * 20)
+    assert again.returncode == 1 and "already exist; use --force" in again.stderr
+    forced = simpletuner("configure", "--force", cwd=tmp_path, stdin="\n" * 20)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "dev"
+
+
+def test_configure_custom_paths_and_early_eof(tmp_path):
+    result = simpletuner("configure", "--config_dir", "cfg", cwd=tmp_path, stdin="flux\n")
+    assert result.returncode == 1 and "nothing written" in result.stderr
+    assert not (tmp_path / "cfg").exists()
+    result = simpletuner("configure", "--config_dir", "cfg", "--yes", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "cfg" / "config.json").read_text())
+    assert config["data_backend_config"] == "cfg/multidatabackend.json"

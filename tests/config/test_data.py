@@ -1,0 +1,150 @@
+"""multidatabackend.json: entries, defaults, errors by dataset id, warnings, path checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from simpletuner.config import ConfigError, check_paths, load_data_backends, parse_data_backends
+
+
+def errors_of(entries, **kwargs):
+    with pytest.raises(ConfigError) as info:
+        parse_data_backends(entries, **kwargs)
+    return info.value.errors
+
+
+def test_simpletuner_backends_parse(make_backends):
+    backends = parse_data_backends(make_backends())
+    (dataset,) = backends.datasets
+    assert dataset.id == "pics" and dataset.type == "local" and dataset.dataset_type == "image"
+    assert dataset.repeats == 2 and dataset.crop is False
+    assert dataset.cache_dir_vae == "cache/vae/pics"
+    assert backends.text_embeds.id == "text-embeds"
+    assert backends.text_embeds.cache_dir == "cache/text/text-embeds"
+    assert backends.text_embeds.write_batch_size == 128
+    assert backends.image_datasets == [dataset] and backends.eval_datasets == []
+    assert backends.warnings == []
+
+
+def test_dataset_defaults_come_from_the_config(make_backends):
+    entries = make_backends()
+    del entries[0]["resolution"], entries[0]["resolution_type"]
+    dataset = parse_data_backends(entries, resolution=512, resolution_type="pixel").datasets[0]
+    assert (dataset.resolution, dataset.resolution_type) == (512, "pixel")
+    dataset = parse_data_backends(entries).datasets[0]
+    assert (dataset.resolution, dataset.resolution_type) == (1024, "pixel_area")
+    # an area-type default given in pixels is caught on the dataset that inherits it
+    errors = errors_of(entries, resolution=1024, resolution_type="area")
+    assert errors[0].path == "datasets[pics].resolution"
+
+
+def test_eval_dataset_and_regularisation_spelling(make_backends):
+    entries = make_backends()
+    entries.insert(1, {"id": "held-out", "dataset_type": "eval", "instance_data_dir": "datasets/eval",
+                       "is_regularization_data": "true"})
+    backends = parse_data_backends(entries)
+    assert [d.id for d in backends.eval_datasets] == ["held-out"]
+    assert backends.eval_datasets[0].is_regularisation_data is True
+
+
+def test_disabled_entries_are_skipped_even_when_incomplete(make_backends):
+    entries = make_backends()
+    entries.append({"id": "old", "disabled": "true", "type": "s3"})
+    backends = parse_data_backends(entries)
+    assert [d.id for d in backends.datasets] == ["pics"]
+    assert backends.disabled == ["old"]
+
+
+def test_unknown_keys_are_warnings_with_suggestions(make_backends):
+    entries = make_backends(captoin_strategy="textfile", skip_file_discovery="vae", sparkle=1)
+    backends = parse_data_backends(entries)
+    assert "datasets[pics].captoin_strategy: unknown key, ignored; did you mean 'caption_strategy'?" in backends.warnings
+    assert any(w.startswith("datasets[pics].skip_file_discovery: a SimpleTuner option") for w in backends.warnings)
+    assert "datasets[pics].sparkle: unknown key, ignored" in backends.warnings
+
+
+def test_several_text_embeds_need_one_default(make_backends):
+    entries = make_backends()
+    entries.append({"id": "te2", "dataset_type": "text_embeds"})
+    backends = parse_data_backends(entries)
+    assert backends.text_embeds.id == "text-embeds"
+    entries[1]["default"] = False
+    errors = errors_of(entries)
+    assert errors[0].path == "datasets" and "need exactly one with \"default\": true" in errors[0].message
+
+
+BAD_ENTRIES = [
+    pytest.param(lambda e: e[0].pop("id"), "datasets[0].id", "is required", id="no-id"),
+    pytest.param(lambda e: e[0].pop("instance_data_dir"), "datasets[pics].instance_data_dir", "is required",
+                 id="no-folder"),
+    pytest.param(lambda e: e.append({**e[0]}), "datasets[pics].id", "duplicate id 'pics'", id="duplicate"),
+    pytest.param(lambda e: e[0].update(type="aws"), "datasets[pics].type", "only 'local' backends are supported",
+                 id="aws"),
+    pytest.param(lambda e: e[0].update(type="ftp"), "datasets[pics].type", "'ftp' is not one of local",
+                 id="unknown-type"),
+    pytest.param(lambda e: e[0].update(dataset_type="video"), "datasets[pics].dataset_type", "not supported yet",
+                 id="video"),
+    pytest.param(lambda e: e[0].update(caption_strategy="parquet"), "datasets[pics].caption_strategy",
+                 "not supported yet", id="parquet"),
+    pytest.param(lambda e: e[0].update(caption_strategy="instanceprompt"), "datasets[pics].instance_prompt",
+                 "is required for caption_strategy 'instanceprompt'", id="instance-prompt"),
+    pytest.param(lambda e: e[0].update(crop_style="middle"), "datasets[pics].crop_style",
+                 "'middle' is not one of center, random, corner", id="crop-style"),
+    pytest.param(lambda e: e[0].update(crop_aspect="wide"), "datasets[pics].crop_aspect",
+                 "square, preserve, closest, random", id="crop-aspect"),
+    pytest.param(lambda e: e[0].update(repeats=-1), "datasets[pics].repeats", "must be >= 0", id="repeats"),
+    pytest.param(lambda e: e[0].update(probability=0), "datasets[pics].probability", "must be > 0", id="probability"),
+    pytest.param(lambda e: e[0].update(resolution=1024, resolution_type="area"), "datasets[pics].resolution",
+                 "megapixels", id="area"),
+    pytest.param(lambda e: e[0].update(resolution="big"), "datasets[pics].resolution", "expected a number",
+                 id="resolution-text"),
+    pytest.param(lambda e: e[0].update(crop="sometimes"), "datasets[pics].crop", "expected true or false",
+                 id="crop-bool"),
+    pytest.param(lambda e: e[0].update(maximum_image_size=2048), "datasets[pics].target_downsample_size",
+                 "required when maximum_image_size", id="downsample"),
+    pytest.param(lambda e: e.pop(1), "datasets", "a text_embeds backend is required", id="no-text-embeds"),
+    pytest.param(lambda e: e.pop(0), "datasets", "no enabled image dataset", id="no-images"),
+    pytest.param(lambda e: e[1].update(write_batch_size=0), "datasets[text-embeds].write_batch_size",
+                 "must be >= 1", id="write-batch"),
+    pytest.param(lambda e: e.append("pics"), "datasets[2]", "expected an object", id="not-an-object"),
+]
+
+
+@pytest.mark.parametrize("change, path, message", BAD_ENTRIES)
+def test_bad_entries_name_the_dataset_and_key(make_backends, change, path, message):
+    entries = make_backends()
+    change(entries)
+    errors = errors_of(entries)
+    matching = [e for e in errors if e.path == path]
+    assert matching, errors
+    assert any(message in e.message for e in matching), matching
+
+
+def test_not_a_list():
+    assert errors_of({"id": "pics"})[0].path == "datasets"
+
+
+def test_load_from_file_names_the_file(write_json, make_backends, tmp_path):
+    path = write_json("multidatabackend.json", make_backends())
+    assert load_data_backends(path).datasets[0].id == "pics"
+    entries = make_backends(crop_style="middle")
+    path = write_json("bad.json", entries)
+    with pytest.raises(ConfigError) as info:
+        load_data_backends(str(path))
+    assert info.value.source == str(path)
+    assert str(info.value).startswith(f"{path}: datasets[pics].crop_style: ")
+    bad = tmp_path / "broken.json"
+    bad.write_text('[{"id": "x",}]')
+    with pytest.raises(ConfigError, match=r"broken.json: not valid JSON: .*line 1, column"):
+        load_data_backends(bad)
+
+
+def test_check_paths_warns_about_missing_and_empty_folders(tmp_path, make_backends):
+    backends = parse_data_backends(make_backends(folder="datasets/pics"))
+    assert check_paths(backends, cwd=tmp_path) == [
+        "datasets[pics].instance_data_dir: folder 'datasets/pics' does not exist"
+    ]
+    (tmp_path / "datasets" / "pics").mkdir(parents=True)
+    assert "is empty" in check_paths(backends, cwd=tmp_path)[0]
+    (tmp_path / "datasets" / "pics" / "a.png").write_bytes(b"")
+    assert check_paths(backends, cwd=tmp_path) == []

@@ -1,0 +1,135 @@
+"""Loading SimpleTuner's config.json: --keys, TRAINER_EXTRA_ARGS, folding, unknown keys, files, round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simpletuner.config import (
+    ConfigError,
+    dump_train_config,
+    load_train_config,
+    prepare_train_config,
+    write_train_config,
+)
+from simpletuner.config.loader import parse_extra_args
+
+
+def test_simpletuner_config_validates(make_config):
+    loaded = load_train_config(make_config())
+    config = loaded.config
+    assert config.model_family == "flux" and config.model_flavour == "dev"
+    assert config.learning_rate == pytest.approx(1e-4)
+    assert config.max_train_steps == 1000 and config.num_train_epochs == 0
+    assert config.gradient_checkpointing is True
+    assert config.base_model_precision == "int8-quanto"
+    assert config.resume_from_checkpoint == "latest"
+    assert config.validation_resolutions == [(1024, 1024), (1280, 768)]
+    # from TRAINER_EXTRA_ARGS
+    assert config.lora_alpha == 16.0 and config.validation_on_startup is True and config.vae_batch_size == 8
+    # migrated from SimpleTuner's old name
+    assert config.flow_schedule_shift == 1.0
+    assert loaded.warnings == ["flux_schedule_shift: renamed to flow_schedule_shift"]
+    assert loaded.source is None
+
+
+def test_simpletuner_config_from_file(write_json, make_config):
+    path = write_json("config/config.json", make_config())
+    loaded = load_train_config(path)
+    assert loaded.source == str(path)
+    assert loaded.config.seed == 42
+
+
+def test_trainer_extra_args_win_over_file_keys(make_config):
+    config = load_train_config(make_config(TRAINER_EXTRA_ARGS="--lora_rank=64 --seed 7")).config
+    assert config.lora_rank == 64 and config.seed == 7
+
+
+def test_parse_extra_args():
+    warnings: list[str] = []
+    parsed = parse_extra_args("--a=1 --b 'two words' --flag --c=x=y stray", warnings)
+    assert parsed == {"a": "1", "b": "two words", "flag": True, "c": "x=y"}
+    assert warnings == ["TRAINER_EXTRA_ARGS: 'stray' is not a --key or --key=value; ignored"]
+
+
+def test_dashes_and_underscores_are_folded():
+    config = load_train_config({"--model-family": "flux", "learning-rate": "3e-4", "--lora_rank": 4}).config
+    assert config.learning_rate == pytest.approx(3e-4) and config.lora_rank == 4
+
+
+def test_same_key_twice_with_different_values_is_an_error():
+    with pytest.raises(ConfigError) as info:
+        load_train_config({"model_family": "flux", "--learning_rate": 1e-4, "learning-rate": 2e-4})
+    assert info.value.errors[0].path == "learning_rate"
+    assert "given twice with different values" in info.value.errors[0].message
+    # the same value twice is fine
+    load_train_config({"model_family": "flux", "--learning_rate": 1e-4, "learning_rate": 1e-4})
+
+
+def test_unknown_keys_warn_with_a_suggestion():
+    loaded = load_train_config({"model_family": "flux", "--learning_rat": 1, "lora_rnak": 4, "sparkles": True,
+                                "push_to_hub": "true"})
+    assert "learning_rat: unknown key, ignored; did you mean 'learning_rate'?" in loaded.warnings
+    assert "lora_rnak: unknown key, ignored; did you mean 'lora_rank'?" in loaded.warnings
+    assert "sparkles: unknown key, ignored" in loaded.warnings
+    assert "push_to_hub: a SimpleTuner option this version does not support; ignored" in loaded.warnings
+    assert loaded.config.learning_rate == pytest.approx(1e-4)
+
+
+def test_overrides_win_and_use_the_same_spellings(make_config):
+    config = load_train_config(make_config(), overrides={"--max_train_steps": "10", "lr-warmup-steps": 0}).config
+    assert config.max_train_steps == 10 and config.lr_warmup_steps == 0
+
+
+def test_invalid_json_names_file_line_and_column(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "model_family": "flux",\n  "lora_rank": 16,\n}\n')
+    with pytest.raises(ConfigError) as info:
+        load_train_config(path)
+    assert info.value.source == str(path)
+    assert "not valid JSON" in str(info.value) and "line 4, column 1" in str(info.value)
+    assert str(info.value).startswith(str(path))
+
+
+def test_missing_file_and_wrong_top_level(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_train_config(tmp_path / "nope.json")
+    path = tmp_path / "list.json"
+    path.write_text("[]")
+    with pytest.raises(ConfigError, match="expected a JSON object of settings, got list"):
+        load_train_config(path)
+
+
+def test_errors_from_a_file_are_attributed_to_it(write_json):
+    path = write_json("config.json", {"model_family": "flux", "lr_scheduler": "cosin"})
+    with pytest.raises(ConfigError) as info:
+        load_train_config(path)
+    assert str(info.value) == (
+        f"{path}: lr_scheduler: 'cosin' is not one of constant, constant_with_warmup, linear, cosine, "
+        "cosine_with_restarts, polynomial"
+    )
+
+
+def test_dump_round_trips(make_config, tmp_path):
+    config = load_train_config(
+        make_config(
+            tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]},
+            webhook_config={"webhook_type": "raw", "callback_url": "http://localhost:8001/hook"},
+        )
+    ).config
+    dumped = dump_train_config(config)
+    assert json.loads(json.dumps(dumped)) == dumped
+    assert dumped["config_version"] == config.config_version
+    again = load_train_config(dumped)
+    assert again.config == config and again.warnings == []
+    path = tmp_path / "out" / "config.json"
+    write_train_config(config, path)
+    assert load_train_config(path).config == config
+
+
+def test_prepare_returns_normalised_values(make_config):
+    values, warnings, source = prepare_train_config(make_config())
+    assert values["data_backend_config"] == "config/multidatabackend.json"
+    assert values["config_version"] == 1 and "flux_schedule_shift" not in values
+    assert source is None and warnings

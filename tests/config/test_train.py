@@ -1,0 +1,340 @@
+"""TrainConfig: defaults, SimpleTuner value spellings, field and cross-field errors, TREAD, webhooks, schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simpletuner.config import (
+    ConfigError,
+    FieldError,
+    TrainConfig,
+    get_family,
+    load_train_config,
+    resolve_tread_routes,
+)
+from simpletuner.config.errors import loc_to_path
+from simpletuner.config.train import GROUPS, check_train_paths
+
+
+def load(**values) -> TrainConfig:
+    return load_train_config({"model_family": "flux", **values}).config
+
+
+def errors_of(**values) -> list[FieldError]:
+    with pytest.raises(ConfigError) as info:
+        load(**values)
+    return info.value.errors
+
+
+# --- defaults ------------------------------------------------------------------------------------------------
+
+
+def test_defaults_fill_flavour_weights_and_alpha():
+    config = load()
+    assert config.model_flavour == "dev"
+    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert config.model_type == "lora"
+    assert config.lora_rank == 16 and config.lora_alpha == 16.0
+    assert config.mixed_precision == "bf16"
+    assert config.resolution == 1024 and config.resolution_type == "pixel_area"
+    assert config.checkpointing_steps == 500
+    assert config.attention_mechanism == "sdpa"
+    assert config.tread_config is None
+
+
+@pytest.mark.parametrize(
+    "flavour, weights",
+    [
+        ("krea", "black-forest-labs/FLUX.1-Krea-dev"),
+        ("schnell", "black-forest-labs/FLUX.1-schnell"),
+        ("kontext", "black-forest-labs/FLUX.1-Kontext-dev"),
+        ("fluxbooru", "terminusresearch/FluxBooru-v0.3"),
+        ("libreflux", "jimmycarter/LibreFlux-SimpleTuner"),
+        ("tiny", None),
+    ],
+)
+def test_flavour_picks_default_weights(flavour, weights):
+    assert load(model_flavour=flavour).pretrained_model_name_or_path == weights
+
+
+def test_explicit_weights_are_kept():
+    config = load(model_flavour="schnell", pretrained_model_name_or_path="/models/my-flux")
+    assert config.pretrained_model_name_or_path == "/models/my-flux"
+
+
+def test_explicit_alpha_is_kept():
+    assert load(lora_rank=32, lora_alpha="8").lora_alpha == 8.0
+
+
+# --- SimpleTuner's value spellings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("false", False), ("1", True), ("0", False),
+                                         ("yes", True), ("no", False), ("True", True), ("FALSE", False)])
+def test_string_booleans(text, value):
+    assert load(gradient_checkpointing=text).gradient_checkpointing is value
+
+
+def test_numbers_as_strings():
+    config = load(learning_rate="1e-4", max_train_steps="1e3", lora_rank="32", seed="42", lora_dropout="0.05",
+                  resolution="512", checkpointing_steps="100.0")
+    assert config.learning_rate == pytest.approx(1e-4)
+    assert config.max_train_steps == 1000 and isinstance(config.max_train_steps, int)
+    assert config.lora_rank == 32 and config.seed == 42 and config.lora_dropout == 0.05
+    assert config.resolution == 512 and isinstance(config.resolution, int)
+    assert config.checkpointing_steps == 100
+
+
+def test_null_spellings():
+    config = load(seed="None", checkpointing_steps="null", validation_prompt=None, report_to=None,
+                  evaluation_type="None", tracker_run_name="")
+    assert config.seed is None and config.checkpointing_steps is None and config.validation_prompt is None
+    assert config.report_to == "none" and config.evaluation_type == "none"
+    assert config.tracker_run_name is None
+
+
+def test_choices_are_case_insensitive():
+    config = load(mixed_precision="BF16", lr_scheduler="Cosine", base_model_precision="INT8-Quanto")
+    assert (config.mixed_precision, config.lr_scheduler, config.base_model_precision) == ("bf16", "cosine", "int8-quanto")
+
+
+def test_area_resolution_in_megapixels():
+    config = load(resolution="1.0", resolution_type="area")
+    assert config.resolution == 1.0
+    assert config.validation_resolutions == [(1024, 1024)]
+
+
+# --- errors name the field -----------------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    pytest.param({"model_family": "sd9"}, "model_family", "not a known model family; available: flux", id="family"),
+    pytest.param({"model_family": "sd3"}, "model_family", "planned but not supported yet", id="planned-family"),
+    pytest.param({"model_flavour": "pro"}, "model_flavour", "one of dev, krea, schnell, kontext", id="flavour"),
+    pytest.param({"model_type": "lycoris"}, "model_type", "'lycoris' is not one of lora, full", id="model-type"),
+    pytest.param(
+        {"lr_scheduler": "cosin"},
+        "lr_scheduler",
+        "'cosin' is not one of constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial",
+        id="scheduler",
+    ),
+    pytest.param({"learning_rate": "0"}, "learning_rate", "must be > 0", id="lr-zero"),
+    pytest.param({"learning_rate": "fast"}, "learning_rate", "expected a number, got 'fast'", id="lr-text"),
+    pytest.param({"lora_rank": "sixteen"}, "lora_rank", "expected an integer", id="rank-text"),
+    pytest.param({"lora_dropout": 1}, "lora_dropout", "must be < 1", id="dropout"),
+    pytest.param({"caption_dropout_probability": 1.5}, "caption_dropout_probability", "must be <= 1", id="cdp"),
+    pytest.param({"gradient_checkpointing": "maybe"}, "gradient_checkpointing", "expected true or false",
+                 id="bool"),
+    pytest.param({"mixed_precision": "fp8"}, "mixed_precision", "not one of no, bf16, fp16", id="precision"),
+    pytest.param({"base_model_precision": "int3-quanto"}, "base_model_precision", "int8-quanto", id="quant"),
+    pytest.param({"max_train_steps": 0, "num_train_epochs": 0}, "max_train_steps",
+                 "set max_train_steps or num_train_epochs", id="no-length"),
+    pytest.param({"max_train_steps": 100, "lr_warmup_steps": 200}, "lr_warmup_steps",
+                 "exceed max_train_steps (100)", id="warmup"),
+    pytest.param({"model_type": "full", "base_model_precision": "int8-quanto"}, "base_model_precision",
+                 "cannot be used with model_type 'full'", id="full-quantized"),
+    pytest.param({"lora_init_type": "loftq", "base_model_precision": "int4-quanto"}, "lora_init_type",
+                 "'loftq' cannot be combined with quanto", id="loftq-quanto"),
+    pytest.param({"lora_init_type": "loftq", "text_encoder_2_precision": "int8-quanto"}, "lora_init_type",
+                 "text_encoder_2_precision", id="loftq-te-quanto"),
+    pytest.param({"enable_group_offload": True, "enable_model_cpu_offload": "true"}, "enable_model_cpu_offload",
+                 "cannot be combined with enable_group_offload", id="offloads"),
+    pytest.param({"enable_group_offload": True, "group_offload_to_disk_path": "/tmp/x"},
+                 "group_offload_to_disk_path", "loses LoRA updates", id="disk-offload"),
+    pytest.param({"gradient_checkpointing_interval": 2}, "gradient_checkpointing_interval",
+                 "needs gradient_checkpointing", id="gc-interval"),
+    pytest.param({"gradient_checkpointing": True, "gradient_checkpointing_interval": 0},
+                 "gradient_checkpointing_interval", "must be >= 1", id="gc-interval-zero"),
+    pytest.param({"train_text_encoder": "true"}, "train_text_encoder", "not supported", id="text-encoder"),
+    pytest.param({"optimizer": "adamw_bf16", "base_model_default_dtype": "fp32"}, "optimizer",
+                 "needs base_model_default_dtype 'bf16'", id="adamw-bf16"),
+    pytest.param({"flux_lora_target": "everything"}, "flux_lora_target", "all, mmdit, context, context+ffs",
+                 id="lora-target"),
+    pytest.param({"lora_init_type": "kaiming"}, "lora_init_type", "default, gaussian, loftq, olora, pissa",
+                 id="lora-init"),
+    pytest.param({"report_to": "comet"}, "report_to", "none, wandb, tensorboard, all", id="report-to"),
+    pytest.param({"validation_resolution": "1024x"}, "validation_resolution", "'1024x' is not a size",
+                 id="validation-resolution"),
+    pytest.param({"resolution": 1024, "resolution_type": "area"}, "resolution", "megapixels", id="area-pixels"),
+    pytest.param({"resolution": 512.5}, "resolution", "not a whole number of pixels", id="fraction-pixels"),
+    pytest.param({"checkpoints_total_limit": 0}, "checkpoints_total_limit", "must be >= 1", id="ckpt-limit"),
+    pytest.param({"validation_steps": -5}, "validation_steps", "must be >= 1", id="validation-steps"),
+    pytest.param({"model_type": "full", "init_lora": "a.safetensors"}, "init_lora", "needs model_type 'lora'",
+                 id="init-lora-full"),
+    pytest.param({"lora_type": "lycoris"}, "lora_type", "'lycoris' is not one of standard", id="lora-type"),
+    pytest.param({"tread_config": {"routes": []}}, "tread_config.routes",
+                 "TREAD training requires you to configure the routes", id="tread-empty"),
+    pytest.param({"tread_config": {}}, "tread_config.routes",
+                 "TREAD training requires you to configure the routes", id="tread-no-routes"),
+    pytest.param({"tread_config": {"routes": [{"selection_ratio": 1.0, "start_layer_idx": 2, "end_layer_idx": 5}]}},
+                 "tread_config.routes[0].selection_ratio", "must be < 1", id="tread-ratio"),
+    pytest.param({"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2}]}},
+                 "tread_config.routes[0].end_layer_idx", "is required", id="tread-missing"),
+    pytest.param({"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 5,
+                                               "ratio": 1}]}},
+                 "tread_config.routes[0].ratio", "unknown key", id="tread-extra"),
+    pytest.param({"webhook_config": {"webhook_type": "raw", "callback_url": "localhost:8001/hook"}},
+                 "webhook_config[0].callback_url", "is not an http(s) URL", id="webhook-url"),
+    pytest.param({"webhook_config": [{"webhook_type": "slack", "callback_url": "https://x"}]},
+                 "webhook_config[0].webhook_type", "'slack' is not one of raw, discord", id="webhook-type"),
+    pytest.param({"webhook_config": [{"webhook_type": "raw", "callback_url": "https://x", "log_level": "debug"}]},
+                 "webhook_config[0].log_level", "info, warning, error, critical", id="webhook-level"),
+    pytest.param({"config_version": 99}, "config_version", "newer than this SimpleTuner understands",
+                 id="version"),
+]
+
+
+@pytest.mark.parametrize("values, path, message", BAD_INPUTS)
+def test_bad_input_names_the_field(values, path, message):
+    errors = errors_of(**values)
+    matching = [e for e in errors if e.path == path]
+    assert matching, f"no error for {path}: {errors}"
+    assert any(message in e.message for e in matching), matching
+
+
+def test_every_field_error_is_reported_at_once():
+    errors = errors_of(lr_scheduler="cosin", lora_rank="x", mixed_precision="fp8")
+    assert {e.path for e in errors} == {"lr_scheduler", "lora_rank", "mixed_precision"}
+
+
+def test_cross_field_errors_are_reported_together():
+    errors = errors_of(model_type="full", base_model_precision="int8-quanto", enable_group_offload=True,
+                       enable_model_cpu_offload=True, max_train_steps=10, lr_warmup_steps=20)
+    assert {e.path for e in errors} == {"base_model_precision", "enable_model_cpu_offload", "lr_warmup_steps"}
+
+
+def test_direct_model_validate_rejects_unknown_keys():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        TrainConfig.model_validate({"model_family": "flux", "learning_rat": 1})
+
+
+# --- TREAD ---------------------------------------------------------------------------------------------------
+
+
+def route(ratio, start, end):
+    return {"selection_ratio": ratio, "start_layer_idx": start, "end_layer_idx": end}
+
+
+def test_tread_config_accepts_simpletuner_routes():
+    config = load(tread_config={"routes": [route("0.5", "2", -2)]})
+    assert config.tread_config.routes[0].selection_ratio == 0.5
+    assert config.tread_config.routes[0].end_layer_idx == -2
+
+
+def test_tread_reversed_window():
+    errors = errors_of(tread_config={"routes": [route(0.5, 6, 2)]})
+    assert [str(e) for e in errors] == [
+        "tread_config.routes[0].end_layer_idx: 2 is before start_layer_idx 6; the window is reversed"
+    ]
+
+
+def test_tread_overlapping_windows():
+    errors = errors_of(tread_config={"routes": [route(0.5, 0, 4), route(0.25, 3, 8)]})
+    assert errors[0].path == "tread_config.routes[1]"
+    assert "overlap route 0" in errors[0].message
+
+
+def test_tread_windows_with_mixed_signs_wait_for_the_depth():
+    # 2..-2 and 5..8 overlap or not depending on the depth: only resolve_tread_routes can say.
+    config = load(tread_config={"routes": [route(0.5, 2, -2), route(0.5, -8, -5)]})
+    with pytest.raises(ConfigError):
+        resolve_tread_routes(config.tread_config, 19)
+
+
+def test_resolve_tread_routes_negative_indices():
+    assert resolve_tread_routes([route(0.5, 2, -2)], 19) == [(0.5, 2, 17)]
+    assert resolve_tread_routes([route(0.5, 0, 3), route(0.25, -3, -1)], 10) == [(0.5, 0, 3), (0.25, 7, 9)]
+
+
+def test_resolve_tread_routes_past_the_last_layer():
+    with pytest.raises(ConfigError) as info:
+        resolve_tread_routes([route(0.5, 0, 3), route(0.5, 5, 40)], 19)
+    assert str(info.value) == "tread_config.routes[1].end_layer_idx: 40 is past the last layer (18)"
+
+
+def test_resolve_tread_routes_before_the_first_layer():
+    with pytest.raises(ConfigError) as info:
+        resolve_tread_routes([route(0.5, -30, 3)], 19)
+    assert info.value.errors[0].path == "tread_config.routes[0].start_layer_idx"
+    assert "before the first layer" in info.value.errors[0].message
+
+
+def test_resolve_tread_routes_overlap_after_resolving():
+    with pytest.raises(ConfigError) as info:
+        resolve_tread_routes([route(0.5, 2, -2), route(0.5, -4, -1)], 19)
+    assert info.value.errors[0].path == "tread_config.routes[1]"
+
+
+# --- webhooks, validation sizes --------------------------------------------------------------------------------
+
+
+def test_webhook_object_becomes_a_list():
+    config = load(webhook_config={"webhook_type": "raw", "callback_url": "http://127.0.0.1:8001/api/jobs/1/events",
+                                  "log_level": "INFO", "message_prefix": "job 1"})
+    assert len(config.webhook_config) == 1
+    assert config.webhook_config[0].log_level == "info"
+
+
+def test_webhook_json_string_and_file(tmp_path):
+    hooks = [{"webhook_type": "discord", "callback_url": "https://discord.example/api/webhooks/1"}]
+    assert load(webhook_config=json.dumps(hooks)).webhook_config[0].webhook_type == "discord"
+    path = tmp_path / "webhooks.json"
+    path.write_text(json.dumps(hooks[0]))
+    assert load(webhook_config=str(path)).webhook_config[0].callback_url.startswith("https://")
+    errors = errors_of(webhook_config=str(tmp_path / "missing.json"))
+    assert errors[0].path == "webhook_config" and "not found" in errors[0].message
+
+
+def test_validation_resolutions():
+    assert load(validation_resolution="1024x768, 512").validation_resolutions == [(1024, 768), (512, 512)]
+    assert load(validation_resolution=768).validation_resolutions == [(768, 768)]
+    assert load(resolution=512).validation_resolutions == [(512, 512)]
+
+
+# --- schema for the UI ----------------------------------------------------------------------------------------
+
+
+def test_every_field_has_a_description_and_a_group():
+    properties = TrainConfig.model_json_schema()["properties"]
+    assert set(properties) == set(TrainConfig.model_fields)
+    for name, prop in properties.items():
+        assert prop.get("description"), name
+        assert prop.get("group") in GROUPS, name
+    assert properties["model_family"]["enum"] == ["flux"]
+    assert properties["config_version"]["readOnly"] is True
+
+
+# --- families and errors --------------------------------------------------------------------------------------
+
+
+def test_family_table():
+    flux = get_family("flux")
+    assert flux.default_flavour == "dev"
+    assert flux.flavours["tiny"] is None
+    assert flux.lora_targets == ("all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano")
+    with pytest.raises(ConfigError, match="model_family: 'wan' is a SimpleTuner family that is planned"):
+        get_family("wan")
+
+
+def test_config_error_text():
+    error = ConfigError([FieldError("a.b", "bad"), ("c", "worse")], source="config.json")
+    assert str(error) == "config.json: a.b: bad\nconfig.json: c: worse"
+    assert str(ConfigError([FieldError("x", "y")])) == "x: y"
+    assert isinstance(error, ValueError)
+    assert loc_to_path(("tread_config", "routes", 1, "end_layer_idx")) == "tread_config.routes[1].end_layer_idx"
+    assert loc_to_path((2, "resolution")) == "[2].resolution"
+
+
+def test_check_train_paths(tmp_path):
+    config = load(user_prompt_library="prompts.json", init_lora="missing.safetensors",
+                  pretrained_model_name_or_path="./models/flux")
+    warnings = check_train_paths(config, cwd=tmp_path)
+    assert any(w.startswith("user_prompt_library:") for w in warnings)
+    assert any(w.startswith("init_lora:") for w in warnings)
+    assert any(w.startswith("pretrained_model_name_or_path:") for w in warnings)
+    (tmp_path / "prompts.json").write_text("{}")
+    assert not any(w.startswith("user_prompt_library") for w in check_train_paths(config, cwd=tmp_path))
+    assert check_train_paths(load(), cwd=tmp_path) == []  # a Hub id is not a local path

@@ -1,0 +1,83 @@
+"""Config versions: one test per migration, plus the step-by-step mechanics."""
+
+from __future__ import annotations
+
+import pytest
+
+from simpletuner.config import CURRENT_CONFIG_VERSION, ConfigError, load_train_config, migrate
+from simpletuner.config import versions
+
+
+def test_every_version_step_has_a_migration():
+    assert sorted(versions.MIGRATIONS) == list(range(CURRENT_CONFIG_VERSION))
+
+
+def test_no_version_means_simpletuner_format():
+    assert versions.config_version_of({}) == 0
+    assert versions.config_version_of({"config_version": "None"}) == 0
+    assert versions.config_version_of({"config_version": "1"}) == 1
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("flux_schedule_shift", "flow_schedule_shift"),
+        ("flux_schedule_auto_shift", "flow_schedule_auto_shift"),
+        ("flux_use_uniform_schedule", "flow_use_uniform_schedule"),
+        ("flux_sigmoid_scale", "flow_sigmoid_scale"),
+        ("flow_matching_sigmoid_scale", "flow_sigmoid_scale"),
+    ],
+)
+def test_v0_to_v1_renames_flow_options(old, new):
+    warnings: list[str] = []
+    out = migrate({old: "true" if "auto" in old or "uniform" in old else 2.0}, warnings)
+    assert old not in out and new in out
+    assert out["config_version"] == 1
+    assert warnings == [f"{old}: renamed to {new}"]
+
+
+def test_v0_to_v1_keeps_the_new_name_when_both_are_set():
+    warnings: list[str] = []
+    out = migrate({"flux_schedule_shift": 1, "flow_schedule_shift": 3}, warnings)
+    assert out["flow_schedule_shift"] == 3 and "flux_schedule_shift" not in out
+    assert "also set" in warnings[0]
+
+
+@pytest.mark.parametrize("value", ["lora", "Standard", "standard"])
+def test_v0_to_v1_lora_type_spellings(value):
+    assert migrate({"lora_type": value})["lora_type"] == "standard"
+
+
+def test_v1_config_is_not_migrated_again():
+    warnings: list[str] = []
+    out = migrate({"config_version": 1, "flux_schedule_shift": 1}, warnings)
+    assert out == {"config_version": 1, "flux_schedule_shift": 1} and warnings == []
+
+
+def test_migrations_apply_step_by_step(monkeypatch):
+    calls = []
+
+    def v1_to_v2(raw, warnings):
+        calls.append(raw["config_version"])
+        out = dict(raw)
+        out["renamed_in_v2"] = out.pop("old_in_v1", None)
+        return out
+
+    monkeypatch.setattr(versions, "CURRENT_CONFIG_VERSION", 2)
+    monkeypatch.setitem(versions.MIGRATIONS, 1, v1_to_v2)
+    out = versions.migrate({"flux_schedule_shift": 2, "old_in_v1": "x"})
+    assert calls == [1]  # v0→v1 ran first and recorded version 1
+    assert out == {"flow_schedule_shift": 2, "renamed_in_v2": "x", "config_version": 2}
+
+
+def test_newer_version_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_train_config({"model_family": "flux", "config_version": CURRENT_CONFIG_VERSION + 1})
+    assert info.value.errors[0].path == "config_version"
+
+
+def test_bad_version_values():
+    with pytest.raises(ConfigError, match="config_version: expected an integer"):
+        migrate({"config_version": "one"})
+    with pytest.raises(ConfigError, match="config_version: must be >= 0"):
+        migrate({"config_version": -1})
