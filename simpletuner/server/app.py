@@ -1,0 +1,97 @@
+"""The FastAPI app factory. Everything stateful (engine, token, scheduler) is built in ``create_app`` so each
+test gets its own database; importing this module imports no torch/diffusers/transformers."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse
+
+from simpletuner import __version__
+
+from .auth import require_auth
+from .broker import EventBroker
+from .db import Database
+from .queue import JobManager
+from .settings import ServerSettings
+from .validation import InvalidConfig
+
+logger = logging.getLogger("simpletuner.server")
+
+DESCRIPTION = """Queue and watch SimpleTuner training jobs.
+
+Loopback clients need no token unless the server runs with `--require-token`; everyone else sends
+`Authorization: Bearer <token>`. Trainer webhooks (`POST /api/jobs/{id}/events`) are signed with the job's
+HMAC secret instead."""
+
+
+def _loc_to_path(loc) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path = f"{path}.{part}" if path else str(part)
+    return path
+
+
+def create_app(settings: ServerSettings | None = None) -> FastAPI:
+    """Build the server: database (tables created if missing), token, job manager, routes."""
+    from .routes import configs, datasets, events, jobs, system
+
+    settings = settings or ServerSettings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = Database(settings.resolved_db_url())
+    db.create_all()
+    token, generated = settings.resolve_token()
+    broker = EventBroker()
+    manager = JobManager(settings, db, broker)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        manager.start()
+        try:
+            yield
+        finally:
+            manager.stop()
+            db.dispose()
+
+    app = FastAPI(title="SimpleTuner server", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.db = db
+    app.state.broker = broker
+    app.state.manager = manager
+    app.state.token = token
+    app.state.token_generated = generated
+
+    @app.exception_handler(InvalidConfig)
+    async def _invalid_config(_request: Request, exc: InvalidConfig) -> JSONResponse:
+        return JSONResponse(status_code=422, content={
+            "detail": "invalid config", "errors": [{"path": e.path, "message": e.message} for e in exc.errors]})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for err in exc.errors():
+            loc = list(err.get("loc", ()))
+            if loc and loc[0] == "body":
+                loc = loc[1:]
+            msg = str(err.get("msg", "invalid"))
+            errors.append({"path": _loc_to_path(loc) or "body", "message": msg})
+        return JSONResponse(status_code=422, content={"detail": "invalid request", "errors": errors})
+
+    auth = [Depends(require_auth)]
+    app.include_router(system.router)
+    app.include_router(events.router)  # per-route auth: the webhook is HMAC-signed instead
+    app.include_router(configs.router, dependencies=auth)
+    app.include_router(jobs.router, dependencies=auth)
+    app.include_router(datasets.router, dependencies=auth)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/docs")
+
+    return app

@@ -1,0 +1,644 @@
+"""The job queue: submit, claim, launch, watch, cancel, and reconcile after a restart.
+
+One scheduler thread per server owns the child processes. A job is claimed with an atomic
+``UPDATE jobs SET status='running' ... WHERE id=? AND status='queued'`` (rowcount 1 wins), so two servers
+sharing one database never both run a job. Each job runs as ``accelerate launch ... -m simpletuner.train``
+in its own process group (``start_new_session``), with stdout/stderr in ``RUN_DIR/train.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from .broker import EventBroker
+from .db import Database, JobEventRow, JobRow, now
+from .settings import ServerSettings, hostname
+from .validation import _canon, absolutize_backends
+
+logger = logging.getLogger("simpletuner.server.queue")
+
+SERVER_RESTARTED = "server restarted"
+LORA_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+
+
+@dataclass
+class Running:
+    job_id: int
+    pid: int
+    pgid: int
+    devices: list[str]
+    cost: int
+    proc: subprocess.Popen | None = None  # None for a job adopted from a previous server
+    term_sent_at: float | None = None
+    killed: bool = False
+    log_file: Any = None
+    waiter: threading.Thread | None = None
+
+
+@dataclass
+class LaunchPlan:
+    cmd: list[str]
+    env: dict[str, str]
+    cwd: Path
+    run_dir: Path
+    devices: list[str] = field(default_factory=list)
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_alive(pgid: int | None) -> bool:
+    if not pgid or pgid <= 0:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A group whose members are all zombies still "exists"; treat that as gone.
+    return any(_proc_state(pid) not in ("Z", "X", None) for pid in _group_members(pgid)) if _HAS_PROC else True
+
+
+_HAS_PROC = Path("/proc/self/stat").exists()
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def read_log_tail(path: Path | str | None, lines: int = 60, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of a log file (reads at most ``max_bytes`` from its end)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _exit_code(returncode: int) -> int:
+    """Shell convention: a process killed by signal N exits with 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class JobManager:
+    """Owns this server's job processes. All process handling happens on the scheduler thread."""
+
+    def __init__(self, settings: ServerSettings, db: Database, broker: EventBroker):
+        self.settings = settings
+        self.db = db
+        self.broker = broker
+        self.host = hostname()
+        self.pid = os.getpid()
+        self.server_id = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:8]}"
+        self.accelerators = list(settings.resolved_accelerators())
+        self.max_concurrent = settings.resolved_max_concurrent()
+        self.procs: dict[int, Running] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_heartbeat = 0.0
+        self._last_orphan_check = 0.0
+        self.started_at = time.time()
+        self.launch_latency: dict[int, float] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.reconcile()
+        if self.settings.run_scheduler:
+            self._thread = threading.Thread(target=self._loop, name="simpletuner-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        if self.settings.stop_jobs_on_shutdown:
+            self._terminate_all("server shut down")
+        else:
+            for run in self.procs.values():
+                if run.log_file is not None:
+                    run.log_file.close()
+            if self.procs:
+                logger.info("%d job(s) keep running; the next server start adopts them", len(self.procs))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:  # keep scheduling whatever one bad job does
+                logger.exception("scheduler tick failed")
+            self._wake.wait(self.settings.poll_interval)
+
+    def tick(self) -> None:
+        """One scheduler pass: reap, cancel, heartbeat, adopt orphans, start queued jobs."""
+        self._reap()
+        self._handle_cancels()
+        t = time.time()
+        if t - self._last_heartbeat >= self.settings.heartbeat_interval:
+            self._heartbeat()
+        if t - self._last_orphan_check >= max(2 * self.settings.heartbeat_interval, 5.0):
+            self.reconcile()
+        while not self._stop.is_set() and self._start_next():
+            pass
+
+    # ---- events -----------------------------------------------------------------------------------
+    def record(self, session, job: JobRow, type_: str, data: dict) -> JobEventRow:
+        """Store a server-side event for ``job`` (call inside a write session)."""
+        seq = session.scalar(
+            select(func.coalesce(func.max(JobEventRow.seq), 0)).where(
+                JobEventRow.job_id == job.id, JobEventRow.attempt == job.attempt, JobEventRow.source == "server"
+            )
+        )
+        row = JobEventRow(
+            job_id=job.id, attempt=job.attempt, source="server", seq=seq + 1, type=type_, time=now(), data=data
+        )
+        session.add(row)
+        return row
+
+    def job_event(self, session, job: JobRow, **extra: Any) -> None:
+        data = {"status": job.status, "attempt": job.attempt}
+        for key in ("reason", "exit_code", "pid"):
+            if getattr(job, key) is not None:
+                data[key] = getattr(job, key)
+        data.update(extra)
+        self.record(session, job, "job", data)
+
+    # ---- submit / cancel (called from request threads) ----------------------------------------------
+    def cost(self, num_processes: int) -> int:
+        return num_processes if self.accelerators else 1
+
+    def capacity_problem(self, num_processes: int) -> str | None:
+        if self.accelerators and num_processes > len(self.accelerators):
+            return f"needs {num_processes} accelerators; this server has {len(self.accelerators)}"
+        return None
+
+    def submit(self, **fields: Any) -> JobRow:
+        with self.db.session(write=True) as s:
+            job = JobRow(status="queued", submitted_at=now(), **fields)
+            s.add(job)
+            s.flush()
+            self.job_event(s, job)
+        self.broker.notify()
+        self.wake()
+        return job
+
+    def cancel(self, job_id: int) -> JobRow | None:
+        """Cancel a queued job at once; ask a running one to stop (SIGTERM, then SIGKILL after the grace)."""
+        with self.db.session(write=True) as s:
+            job = s.get(JobRow, job_id)
+            if job is None:
+                return None
+            if job.status == "queued":
+                res = s.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == "queued")
+                    .values(status="cancelled", finished_at=now(), reason="cancelled before it started")
+                )
+                if res.rowcount == 1:
+                    s.refresh(job)
+                    self.job_event(s, job)
+            elif job.status == "running" and not job.cancel_requested:
+                job.cancel_requested = True
+                self.record(s, job, "job", {"status": "running", "attempt": job.attempt, "cancel_requested": True})
+        self.broker.notify()
+        self.wake()
+        return job
+
+    # ---- claiming and launching ----------------------------------------------------------------------
+    def _free_devices(self) -> list[str]:
+        used = {d for r in self.procs.values() for d in r.devices}
+        return [d for d in self.accelerators if d not in used]
+
+    def _start_next(self) -> bool:
+        if len(self.procs) >= self.max_concurrent:
+            return False
+        free = self._free_devices()
+        with self.db.session() as s:
+            candidates = s.execute(
+                select(JobRow.id, JobRow.num_processes)
+                .where(JobRow.status == "queued")
+                .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id)
+                .limit(20)
+            ).all()
+        for job_id, num_processes in candidates:
+            problem = self.capacity_problem(num_processes)
+            if problem:
+                self._fail_queued(job_id, problem)
+                return True
+            if self.accelerators and num_processes > len(free):
+                return False  # strict priority: wait for devices rather than let later jobs pass
+            secret = secrets.token_hex(32)
+            with self.db.session(write=True) as s:
+                t = now()
+                claimed = s.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == "queued")
+                    .values(
+                        status="running",
+                        started_at=t,
+                        heartbeat_at=t,
+                        owner=self.server_id,
+                        owner_host=self.host,
+                        owner_pid=self.pid,
+                        attempt=JobRow.attempt + 1,
+                        webhook_secret=secret,
+                        pid=None,
+                        pgid=None,
+                        exit_code=None,
+                        finished_at=None,
+                    )
+                ).rowcount
+            if claimed != 1:
+                continue  # another server took it; try the next one
+            devices = free[:num_processes] if self.accelerators else []
+            self._launch(job_id, devices)
+            return True
+        return False
+
+    def _fail_queued(self, job_id: int, reason: str) -> None:
+        with self.db.session(write=True) as s:
+            res = s.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status == "queued")
+                .values(status="failed", finished_at=now(), reason=reason)
+            )
+            if res.rowcount == 1:
+                self.job_event(s, s.get(JobRow, job_id))
+        self.broker.notify()
+
+    def run_dir_for(self, job_id: int) -> Path:
+        return self.settings.data_dir / "runs" / f"job-{job_id}"
+
+    def plan(self, job: JobRow, devices: list[str]) -> LaunchPlan:
+        """Write the run dir (frozen config, data backends, prompt library) and build the command."""
+        run_dir = self.run_dir_for(job.id)
+        (run_dir / "output").mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in (job.train_config or {}).items()
+                  if _canon(k) not in ("output_dir", "data_backend_config", "user_prompt_library")}
+        config["output_dir"] = str(run_dir / "output")
+        config["data_backend_config"] = str(run_dir / "multidatabackend.json")
+        if job.prompt_library:
+            (run_dir / "user_prompt_library.json").write_text(json.dumps(job.prompt_library, indent=2))
+            config["user_prompt_library"] = str(run_dir / "user_prompt_library.json")
+        backends = absolutize_backends(job.data_backends or [], self.settings.workdir)
+        (run_dir / "multidatabackend.json").write_text(json.dumps(backends, indent=2))
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+        config_path = run_dir / "config.json"
+        n = max(1, int(job.num_processes or 1))
+        if self.settings.job_command:
+            fmt = {"python": sys.executable, "config": str(config_path), "run_dir": str(run_dir),
+                   "num_processes": str(n), "job_id": str(job.id)}
+            cmd = [part.format(**fmt) for part in self.settings.job_command]
+        elif self.settings.launcher == "python" and n == 1:
+            cmd = [sys.executable, "-m", "simpletuner.train", "--config", str(config_path)]
+        else:
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n),
+                   "--num_machines", "1", "--dynamo_backend", "no"]
+            if n > 1:
+                cmd.append("--multi_gpu")
+            elif not self.accelerators:
+                cmd.append("--cpu")
+            cmd += ["-m", "simpletuner.train", "--config", str(config_path)]
+
+        env = {k: v for k, v in os.environ.items() if k != "SIMPLETUNER_API_TOKEN"}
+        env.update(
+            SIMPLETUNER_WEBHOOK_URL=f"{self.settings.webhook_base_url()}/api/jobs/{job.id}/events",
+            SIMPLETUNER_WEBHOOK_SECRET=job.webhook_secret or "",
+            SIMPLETUNER_JOB_ID=str(job.id),
+            SIMPLETUNER_RUN_DIR=str(run_dir),
+            PYTHONUNBUFFERED="1",
+        )
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        elif not self.accelerators:
+            env["ACCELERATE_USE_CPU"] = "1"
+        return LaunchPlan(cmd=cmd, env=env, cwd=self.settings.workdir, run_dir=run_dir, devices=devices)
+
+    def _launch(self, job_id: int, devices: list[str]) -> None:
+        t0 = time.perf_counter()
+        with self.db.session() as s:
+            job = s.get(JobRow, job_id)
+        log_file = None
+        try:
+            plan = self.plan(job, devices)
+            log_file = open(plan.run_dir / "train.log", "ab", buffering=0)
+            log_file.write(f"=== job {job.id} attempt {job.attempt}: {' '.join(plan.cmd)}\n".encode())
+            proc = subprocess.Popen(
+                plan.cmd,
+                cwd=plan.cwd,
+                env=plan.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except Exception as exc:
+            if log_file is not None:
+                log_file.close()
+            logger.exception("job %s: could not start", job_id)
+            self._finish(job_id, status="failed", reason=f"could not start the trainer: {exc}", exit_code=None)
+            return
+        self.launch_latency[job_id] = time.perf_counter() - t0
+        run = Running(job_id=job_id, pid=proc.pid, pgid=proc.pid, devices=devices,
+                      cost=self.cost(job.num_processes), proc=proc, log_file=log_file)
+        run.waiter = threading.Thread(target=self._wait_proc, args=(proc,), daemon=True)
+        run.waiter.start()
+        self.procs[job_id] = run
+        with self.db.session(write=True) as s:
+            job = s.get(JobRow, job_id)
+            job.pid, job.pgid = proc.pid, proc.pid
+            job.run_dir = str(plan.run_dir)
+            job.devices = ",".join(devices) or None
+            self.job_event(s, job, run_dir=job.run_dir)
+        self.broker.notify()
+        logger.info("job %s started (pid %s)", job_id, proc.pid)
+
+    def _wait_proc(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self._wake.set()
+
+    # ---- watching ------------------------------------------------------------------------------------
+    def _reap(self) -> None:
+        for job_id, run in list(self.procs.items()):
+            if run.proc is not None:
+                code = run.proc.poll()
+                if code is None:
+                    continue
+                self._complete(run, _exit_code(code))
+            elif not group_alive(run.pgid):
+                self._complete(run, None)
+
+    def _complete(self, run: Running, exit_code: int | None) -> None:
+        self.procs.pop(run.job_id, None)
+        _signal_group(run.pgid, signal.SIGKILL)  # stragglers (e.g. workers) the leader left behind
+        if run.log_file is not None:
+            run.log_file.close()
+        with self.db.session() as s:
+            job = s.get(JobRow, run.job_id)
+        results = dict(job.results or {})
+        results.update(self._collect_results(job))
+        trainer_said = (job.results or {}).get("trainer_status")
+        if job.cancel_requested:
+            status, reason = "cancelled", "cancelled by user"
+        elif exit_code == 0:
+            status, reason = "succeeded", None
+        elif exit_code is None:
+            # Adopted after a restart: not our child, so no exit code. Trust the trainer's own report.
+            ok = trainer_said == "succeeded" or (Path(job.run_dir or "/nonexistent") / "output" / "run_summary.json").exists()
+            status = "succeeded" if ok else "failed"
+            reason = None if ok else "trainer ended while unobserved (exit code unknown)"
+        elif run.killed:
+            status, reason = "failed", f"killed (exit code {exit_code})"
+        else:
+            status, reason = "failed", f"trainer exited with code {exit_code}"
+        self._finish(run.job_id, status=status, reason=reason, exit_code=exit_code, results=results)
+
+    def _collect_results(self, job: JobRow) -> dict:
+        out: dict[str, Any] = {}
+        if not job.run_dir:
+            return out
+        output = Path(job.run_dir) / "output"
+        summary = output / "run_summary.json"
+        if summary.exists():
+            try:
+                data = json.loads(summary.read_text())
+                if isinstance(data, dict):
+                    out.update(data)
+            except (OSError, ValueError):
+                pass
+        if not out.get("lora_path") and output.is_dir():
+            for name in LORA_NAMES:
+                hits = sorted(output.rglob(name), key=lambda p: (len(p.parts), str(p)))
+                hits = [h for h in hits if "checkpoint" not in str(h.relative_to(output))] or hits
+                if hits:
+                    out["lora_path"] = str(hits[0])
+                    break
+        out.setdefault("output_dir", str(output))
+        return out
+
+    def _finish(self, job_id: int, *, status: str, reason: str | None, exit_code: int | None,
+                results: dict | None = None) -> None:
+        with self.db.session(write=True) as s:
+            job = s.get(JobRow, job_id)
+            job.status = status
+            job.reason = reason
+            job.exit_code = exit_code
+            job.finished_at = now()
+            if results is not None:
+                job.results = results
+            if status == "failed":
+                job.log_tail = read_log_tail(Path(job.run_dir) / "train.log" if job.run_dir else None,
+                                             self.settings.log_tail_lines) or None
+            self.job_event(s, job, results=job.results)
+        self.broker.notify()
+        logger.info("job %s %s%s", job_id, status, f" ({reason})" if reason else "")
+        self._wake.set()
+
+    def _handle_cancels(self) -> None:
+        if not self.procs:
+            return
+        with self.db.session() as s:
+            wanted = set(s.scalars(select(JobRow.id).where(
+                JobRow.id.in_(list(self.procs)), JobRow.cancel_requested.is_(True))))
+        t = time.time()
+        for job_id in wanted:
+            run = self.procs.get(job_id)
+            if run is None:
+                continue
+            if run.term_sent_at is None:
+                run.term_sent_at = t
+                _signal_group(run.pgid, signal.SIGTERM)
+                logger.info("job %s: SIGTERM sent to process group %s", job_id, run.pgid)
+            elif not run.killed and t - run.term_sent_at >= self.settings.cancel_grace:
+                run.killed = True
+                _signal_group(run.pgid, signal.SIGKILL)
+                logger.info("job %s: SIGKILL sent to process group %s", job_id, run.pgid)
+
+    def _heartbeat(self) -> None:
+        self._last_heartbeat = time.time()
+        with self.db.session(write=True) as s:
+            s.execute(update(JobRow).where(JobRow.owner == self.server_id, JobRow.status == "running")
+                      .values(heartbeat_at=now()))
+
+    def _terminate_all(self, reason: str) -> None:
+        for run in list(self.procs.values()):
+            _signal_group(run.pgid, signal.SIGTERM)
+        deadline = time.time() + self.settings.cancel_grace
+        while self.procs and time.time() < deadline:
+            for run in list(self.procs.values()):
+                alive = (run.proc.poll() is None) if run.proc is not None else group_alive(run.pgid)
+                if not alive:
+                    self._complete_as(run, "cancelled", reason)
+            time.sleep(0.05)
+        for run in list(self.procs.values()):
+            _signal_group(run.pgid, signal.SIGKILL)
+            if run.proc is not None:
+                try:
+                    run.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._complete_as(run, "cancelled", reason)
+
+    def _complete_as(self, run: Running, status: str, reason: str) -> None:
+        self.procs.pop(run.job_id, None)
+        _signal_group(run.pgid, signal.SIGKILL)
+        if run.log_file is not None:
+            run.log_file.close()
+        code = run.proc.poll() if run.proc is not None else None
+        self._finish(run.job_id, status=status, reason=reason,
+                     exit_code=_exit_code(code) if code is not None else None)
+
+    # ---- restart safety --------------------------------------------------------------------------------
+    def _orphaned(self, job: JobRow, t: float) -> bool:
+        if job.owner == self.server_id:
+            return False  # ours: the scheduler thread tracks it (claim and launch happen on that thread)
+        stale = job.heartbeat_at is None or t - job.heartbeat_at > self.settings.orphan_timeout
+        if job.owner_host == self.host:
+            return stale or not pid_alive(job.owner_pid) or job.owner_pid == self.pid
+        return stale
+
+    def _ours(self, job: JobRow) -> bool:
+        """Is the job's process group alive on this machine and really this job's trainer?"""
+        if job.owner_host != self.host or not job.pgid or not group_alive(job.pgid):
+            return False
+        env = _environ(job.pid) if job.pid else None
+        if env is None:
+            return False
+        return env.get("SIMPLETUNER_JOB_ID") == str(job.id) and env.get("SIMPLETUNER_WEBHOOK_SECRET") == (job.webhook_secret or "")
+
+    def reconcile(self) -> list[tuple[int, str]]:
+        """Take over jobs left ``running`` by a server that is gone: adopt a live trainer of ours, otherwise
+        mark the job failed ("server restarted") or put it back in the queue (``retry_on_restart``)."""
+        self._last_orphan_check = time.time()
+        t = time.time()
+        outcomes: list[tuple[int, str]] = []
+        with self.db.session() as s:
+            running = list(s.scalars(select(JobRow).where(JobRow.status == "running")))
+        for job in running:
+            if job.id in self.procs or not self._orphaned(job, t):
+                continue
+            with self.db.session(write=True) as s:
+                took = s.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job.id, JobRow.status == "running", JobRow.owner == job.owner)
+                    .values(owner=self.server_id, owner_host=self.host, owner_pid=self.pid, heartbeat_at=now())
+                ).rowcount
+            if took != 1:
+                continue
+            if self._ours(job):
+                devices = [d for d in (job.devices or "").split(",") if d]
+                self.procs[job.id] = Running(job_id=job.id, pid=job.pid, pgid=job.pgid, devices=devices,
+                                             cost=self.cost(job.num_processes))
+                with self.db.session(write=True) as s:
+                    row = s.get(JobRow, job.id)
+                    self.record(s, row, "job", {"status": "running", "attempt": row.attempt, "pid": row.pid,
+                                                "adopted": True, "reason": "adopted after server restart"})
+                outcomes.append((job.id, "adopted"))
+                logger.info("job %s: adopted running trainer (pid %s) after restart", job.id, job.pid)
+                continue
+            if job.pgid and job.owner_host == self.host:
+                _signal_group(job.pgid, signal.SIGKILL)  # never leave a half-known process behind
+            if job.retry_on_restart:
+                with self.db.session(write=True) as s:
+                    row = s.get(JobRow, job.id)
+                    row.status = "queued"
+                    row.reason = f"re-queued: {SERVER_RESTARTED}"
+                    row.pid = row.pgid = None
+                    row.owner = row.owner_host = row.owner_pid = None
+                    row.started_at = None
+                    self.job_event(s, row)
+                outcomes.append((job.id, "requeued"))
+            else:
+                self._finish(job.id, status="failed", reason=SERVER_RESTARTED, exit_code=None,
+                             results={**(job.results or {})})
+                outcomes.append((job.id, "failed"))
+        if outcomes:
+            self.broker.notify()
+            self._wake.set()
+        return outcomes
+
+    # ---- info ----------------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        return {
+            "server_id": self.server_id,
+            "max_concurrent": self.max_concurrent,
+            "accelerators": self.accelerators,
+            "running_here": sorted(self.procs),
+        }

@@ -1,0 +1,73 @@
+"""Health, server facts, and the model families the config layer knows."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from sqlalchemy import func, select
+
+from simpletuner import __version__
+
+from .. import deps
+from ..auth import require_auth
+from ..db import JobRow
+from ..schemas import ERRORS, HealthOut, SystemOut
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/api/health", response_model=HealthOut, summary="Liveness (no token needed)")
+def health() -> HealthOut:
+    return HealthOut()
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+@router.get("/api/system", response_model=SystemOut, responses=ERRORS, dependencies=[Depends(require_auth)],
+            summary="Server facts: slots, accelerators, queue counts")
+def system(request: Request) -> SystemOut:
+    mgr = deps.manager(request)
+    s = deps.settings(request)
+    with deps.db(request).session() as session:
+        counts = dict(session.execute(select(JobRow.status, func.count(JobRow.id)).group_by(JobRow.status)).all())
+    return SystemOut(
+        version=__version__,
+        server_id=mgr.server_id,
+        host=mgr.host,
+        data_dir=str(s.data_dir),
+        database=_redact(s.resolved_db_url()),
+        max_concurrent=mgr.max_concurrent,
+        accelerators=mgr.accelerators,
+        running=counts.get("running", 0),
+        queued=counts.get("queued", 0),
+        running_here=sorted(mgr.procs),
+        uptime_s=time.time() - mgr.started_at,
+        allowed_roots=[str(r) for r in s.resolved_allowed_roots()],
+        torch_imported="torch" in sys.modules,
+    )
+
+
+@router.get("/api/system/model-families", response_model=dict[str, Any], responses=ERRORS,
+            dependencies=[Depends(require_auth)], summary="Model families and flavours the config accepts")
+def model_families() -> dict[str, Any]:
+    try:
+        from simpletuner.config import families
+    except ImportError:
+        return {}
+    table = getattr(families, "FAMILIES", None) or getattr(families, "MODEL_FAMILIES", None) or {}
+    out: dict[str, Any] = {}
+    for name, fam in dict(table).items():
+        out[name] = {
+            "description": getattr(fam, "description", ""),
+            "flavours": list(getattr(fam, "flavours", {}) or {}),
+            "default_flavour": getattr(fam, "default_flavour", None),
+        }
+    return out

@@ -1,0 +1,251 @@
+"""Request and response models of the REST API (every route is typed; OpenAPI at /docs)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+EventType = Literal["progress", "checkpoint", "image", "scores", "status", "error", "log"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+MAX_ID = 2**62  # keeps ids inside every SQL backend's 64-bit integer
+
+
+class FieldErrorOut(BaseModel):
+    path: str = Field(description="field path, e.g. train_config.learning_rate or data_backends[my-set].resolution")
+    message: str
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    errors: list[FieldErrorOut] = []
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "missing or invalid API token"},
+    422: {"model": ErrorOut, "description": "invalid request; errors name the field paths"},
+}
+NOT_FOUND = {404: {"model": ErrorOut, "description": "not found"}}
+CONFLICT = {409: {"model": ErrorOut, "description": "conflicts with the current state"}}
+
+
+# ---- configs -----------------------------------------------------------------------------------------
+class ConfigBody(BaseModel):
+    """A config: SimpleTuner's config.json (train_config), multidatabackend.json (data_backends) and an
+    optional user prompt library ({nickname: prompt})."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "train_config": {"model_family": "flux", "model_flavour": "tiny", "max_train_steps": 5},
+        "data_backends": [{"id": "sample", "type": "local", "instance_data_dir": "datasets/sample"}],
+    }]})
+    train_config: dict[str, Any]
+    data_backends: list[dict[str, Any]] = []
+    prompt_library: dict[str, str] | None = None
+
+
+class ConfigCreate(ConfigBody):
+    name: str = Field(pattern=NAME_PATTERN, max_length=200)
+    description: str = Field("", max_length=10_000)
+    comment: str = Field("", max_length=10_000)
+
+
+class ConfigUpdate(ConfigBody):
+    description: str | None = Field(None, max_length=10_000)
+    comment: str = Field("", max_length=10_000)
+
+
+class ConfigVersionOut(BaseModel):
+    version: int
+    schema_version: int | None = None
+    comment: str = ""
+    created_at: float
+    train_config: dict[str, Any]
+    data_backends: list[dict[str, Any]]
+    prompt_library: dict[str, str] | None = None
+
+
+class ConfigVersionSummary(BaseModel):
+    version: int
+    schema_version: int | None = None
+    comment: str = ""
+    created_at: float
+
+
+class ConfigSummary(BaseModel):
+    name: str
+    description: str = ""
+    current_version: int
+    created_at: float
+    updated_at: float
+    model_family: str | None = None
+
+
+class ConfigOut(ConfigSummary):
+    latest: ConfigVersionOut
+    warnings: list[str] = []
+
+
+class ValidateOut(BaseModel):
+    valid: bool
+    errors: list[FieldErrorOut] = []
+    warnings: list[str] = []
+
+
+class DataBackendsBody(BaseModel):
+    data_backends: list[dict[str, Any]]
+
+
+# ---- jobs --------------------------------------------------------------------------------------------
+class JobCreate(BaseModel):
+    """Submit from a stored config (``config_name`` [+ ``config_version``], optional ``overrides``) or an
+    inline one (``train_config`` + ``data_backends`` [+ ``prompt_library``])."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"config_name": "tiny-flux", "overrides": {"max_train_steps": 5}, "priority": 0},
+    ]})
+    name: str = Field("", max_length=200)
+    config_name: str | None = Field(None, pattern=NAME_PATTERN, max_length=200)
+    config_version: int | None = Field(None, ge=1, le=2**31)
+    train_config: dict[str, Any] | None = None
+    data_backends: list[dict[str, Any]] | None = None
+    prompt_library: dict[str, str] | None = None
+    overrides: dict[str, Any] | None = Field(None, description="keys merged over the train config")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first; ties run in submission order")
+    num_processes: int = Field(1, ge=1, le=64, description="processes for accelerate launch")
+    retry_on_restart: bool = Field(False, description="re-queue (rather than fail) if the server restarts mid-run")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "JobCreate":
+        if (self.config_name is None) == (self.train_config is None):
+            raise ValueError("give either config_name or train_config (not both)")
+        if self.config_name is None and self.config_version is not None:
+            raise ValueError("config_version needs config_name")
+        return self
+
+
+class JobPatch(BaseModel):
+    priority: int | None = Field(None, ge=-1000, le=1000)
+    name: str | None = Field(None, max_length=200)
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    status: JobStatus
+    priority: int
+    config_name: str | None = None
+    config_version: int | None = None
+    num_processes: int
+    retry_on_restart: bool
+    submitted_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempt: int
+    run_dir: str | None = None
+    pid: int | None = None
+    devices: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    error: str | None = None
+    log_tail: str | None = None
+    cancel_requested: bool
+    progress: dict[str, Any] | None = None
+    results: dict[str, Any] | None = None
+    queue_position: int | None = Field(None, description="1 = next to start (queued jobs only)")
+    warnings: list[str] = []
+
+
+class JobDetail(JobOut):
+    train_config: dict[str, Any]
+    data_backends: list[dict[str, Any]]
+    prompt_library: dict[str, str] | None = None
+
+
+class JobList(BaseModel):
+    jobs: list[JobOut]
+    total: int
+
+
+class FileOut(BaseModel):
+    path: str
+    size: int
+    modified: float
+
+
+# ---- events ------------------------------------------------------------------------------------------
+class WebhookEvent(BaseModel):
+    """What the trainer posts (signed: ``X-SimpleTuner-Signature: sha256=<hmac of the raw body>``)."""
+
+    job_id: int | str | None = None
+    seq: int = Field(ge=0, le=MAX_ID)
+    type: EventType
+    time: float
+    data: dict[str, Any] = {}
+
+
+class EventOut(BaseModel):
+    id: int = Field(description="global, increasing; the SSE event id")
+    job_id: int
+    attempt: int
+    source: Literal["trainer", "server"]
+    seq: int
+    type: str
+    time: float
+    data: dict[str, Any]
+
+
+class EventList(BaseModel):
+    events: list[EventOut]
+    last_id: int = Field(description="pass as ?after= to continue")
+
+
+class IngestOut(BaseModel):
+    accepted: bool
+    duplicate: bool = False
+    id: int | None = None
+
+
+# ---- system / datasets --------------------------------------------------------------------------------
+class HealthOut(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class SystemOut(BaseModel):
+    version: str
+    server_id: str
+    host: str
+    data_dir: str
+    database: str
+    max_concurrent: int
+    accelerators: list[str]
+    running: int
+    queued: int
+    running_here: list[int]
+    uptime_s: float
+    allowed_roots: list[str]
+    torch_imported: bool
+
+
+class DirEntry(BaseModel):
+    name: str
+    path: str
+    is_dir: bool
+    images: int | None = None
+
+
+class DirListing(BaseModel):
+    path: str
+    parent: str | None = None
+    entries: list[DirEntry]
+
+
+class DatasetScan(BaseModel):
+    path: str
+    exists: bool
+    images: int = 0
+    videos: int = 0
+    captions: int = 0
+    images_with_captions: int = 0
+    subdirs: int = 0
+    examples: list[str] = []

@@ -1,0 +1,91 @@
+"""A stand-in for ``python -m simpletuner.train`` in server tests: reads the frozen config the server wrote,
+reports through the real WebhookReporter, and behaves as ``tracker_run_name`` says:
+
+- ``ok`` (default): ``max_train_steps`` progress events, a checkpoint, an image, scores, then success
+- ``fail``: an error event and exit 3
+- ``hang``: report running, then sleep until killed (ignores nothing; SIGTERM exits 143 like the trainer)
+- ``stubborn``: like hang but ignores SIGTERM (needs SIGKILL), and starts a child in its process group
+- ``flood``: ``max_train_steps`` progress events as fast as possible (benchmarks)
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from simpletuner.training.webhooks import WebhookReporter
+
+PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
+)
+
+
+def main() -> int:
+    config_path = Path(sys.argv[sys.argv.index("--config") + 1])
+    cfg = json.loads(config_path.read_text())
+    mode = cfg.get("tracker_run_name") or "ok"
+    steps = int(cfg.get("max_train_steps") or 3)
+    out = Path(cfg["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    reporter = WebhookReporter.from_env(cfg.get("webhook_config"), backoff=0.05)
+    print(f"fake trainer: mode={mode} steps={steps} backends={cfg['data_backend_config']}", flush=True)
+
+    def on_term(signum, frame):
+        print("fake trainer: SIGTERM, stopping at step boundary", flush=True)
+        reporter.status("cancelled")
+        reporter.close(5)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else on_term)
+    reporter.status("running", pid=__import__("os").getpid())
+    if mode in ("hang", "stubborn"):
+        if mode == "stubborn":
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        (out / "started").write_text("1")
+        reporter.progress(1, steps, 0.5, 1e-4, 10.0, 100.0)
+        while True:
+            time.sleep(0.05)
+    if mode == "flood":
+        t0 = time.perf_counter()
+        for step in range(1, steps + 1):
+            reporter.progress(step, steps, 0.1, 1e-4, 100.0, 0.0)
+        reporter.close(120)
+        print(f"fake trainer: sent {reporter.sent} in {time.perf_counter() - t0:.3f}s", flush=True)
+        return 0
+    if mode == "fail":
+        try:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        except RuntimeError as exc:
+            reporter.error(str(exc), traceback.format_exc())
+            print(traceback.format_exc(), flush=True)
+        reporter.status("failed")
+        reporter.close(10)
+        return 3
+    loss = 1.0
+    for step in range(1, steps + 1):
+        loss *= 0.9
+        time.sleep(0.02)
+        reporter.progress(step, steps, loss, 1e-4, 50.0, (steps - step) * 0.02, epoch=1)
+        print(f"step {step}/{steps} loss {loss:.4f}", flush=True)
+    ckpt = out / f"checkpoint-{steps}"
+    ckpt.mkdir(exist_ok=True)
+    reporter.checkpoint(steps, ckpt)
+    img = out / "validation.png"
+    img.write_bytes(PNG)
+    reporter.image("validation", steps, img, prompt="a cat", nickname="cat", resolution=(1, 1))
+    reporter.scores(steps, {"clip_score": 0.31})
+    lora = out / "pytorch_lora_weights.safetensors"
+    lora.write_bytes(b"fake")
+    summary = {"final_loss": loss, "lora_path": str(lora), "output_dir": str(out), "steps": steps}
+    (out / "run_summary.json").write_text(json.dumps(summary))
+    reporter.status("succeeded", **summary)
+    reporter.close(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
