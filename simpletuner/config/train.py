@@ -490,6 +490,19 @@ class TrainConfig(BaseModel):
                     "leave it empty to offload to CPU memory",
                 )
             )
+        if (
+            self.enable_group_offload
+            and quantized
+            and not (self.gradient_checkpointing and (self.gradient_checkpointing_interval or 1) == 1)
+        ):
+            # autograd would still hold the quantized weights when the offload hooks move them
+            errors.append(
+                FieldError(
+                    "enable_group_offload",
+                    f"with a quantized base ({self.base_model_precision}) needs gradient_checkpointing on every "
+                    "block (gradient_checkpointing true, gradient_checkpointing_interval empty or 1)",
+                )
+            )
         if self.model_type == "lora" and self.lora_alpha is None:
             self.lora_alpha = float(self.lora_rank)
         if errors:

@@ -142,6 +142,8 @@ BAD_INPUTS = [
                  "cannot be combined with enable_group_offload", id="offloads"),
     pytest.param({"enable_group_offload": True, "group_offload_to_disk_path": "/tmp/x"},
                  "group_offload_to_disk_path", "loses LoRA updates", id="disk-offload"),
+    pytest.param({"enable_group_offload": True, "base_model_precision": "int8-quanto"}, "enable_group_offload",
+                 "needs gradient_checkpointing on every block", id="offload-quanto"),
     pytest.param({"gradient_checkpointing_interval": 2}, "gradient_checkpointing_interval",
                  "needs gradient_checkpointing", id="gc-interval"),
     pytest.param({"gradient_checkpointing": True, "gradient_checkpointing_interval": 0},
@@ -201,7 +203,8 @@ def test_every_field_error_is_reported_at_once():
 def test_cross_field_errors_are_reported_together():
     errors = errors_of(model_type="full", base_model_precision="int8-quanto", enable_group_offload=True,
                        enable_model_cpu_offload=True, max_train_steps=10, lr_warmup_steps=20)
-    assert {e.path for e in errors} == {"base_model_precision", "enable_model_cpu_offload", "lr_warmup_steps"}
+    assert {e.path for e in errors} == {"base_model_precision", "enable_model_cpu_offload", "enable_group_offload",
+                                      "lr_warmup_steps"}
 
 
 def test_direct_model_validate_rejects_unknown_keys():
