@@ -82,8 +82,9 @@ _FIELD_INFO: dict[type, dict[str, tuple[bool, tuple[str, ...]]]] = {}
 def normalise_values(model: type[BaseModel], data: Any) -> Any:
     """Map SimpleTuner's spellings of null and of choices onto ``model``'s field types (a before-validator).
 
-    ``"None"``/``"null"``/``""`` become None where a field allows None, or the choice ``"none"`` where that is
-    one of the field's choices; choices match case-insensitively.
+    ``"None"``/``"null"``/``""`` become the choice ``"none"`` where that is one of the field's choices, else None
+    where the field allows None (except ``""`` for ``*_prompt`` fields: an empty prompt is a real value);
+    choices match case-insensitively.
     """
     if not isinstance(data, dict):
         return data
@@ -103,8 +104,10 @@ def normalise_values(model: type[BaseModel], data: Any) -> Any:
         if not isinstance(value, str):
             continue
         text = value.strip()
-        if text.lower() in _NULL_STRINGS and "none" not in choices:
-            if allows_none:
+        if text.lower() in _NULL_STRINGS:
+            if "none" in choices:
+                out[key] = "none"
+            elif allows_none and not (text == "" and key.endswith("_prompt")):  # an empty prompt is a prompt
                 out[key] = None
             continue
         if choices:

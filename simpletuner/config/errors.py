@@ -11,6 +11,7 @@ Path convention (used by every error this package raises):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -76,8 +77,6 @@ def loc_to_path(loc: Sequence[Any]) -> str:
 
 def _expected_values(expected: str) -> str:
     # pydantic renders Literal choices as "'a', 'b' or 'c'"; we list them plainly: "a, b, c"
-    import re
-
     values = re.findall(r"'((?:[^'\\]|\\.)*)'", expected)
     return ", ".join(values) if values else expected
 

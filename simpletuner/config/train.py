@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .coerce import Int, Number, check_resolution, normalise_values, parse_resolution_list
 from .errors import ConfigError, FieldError
-from .families import FAMILIES, check_flavour, family_names, get_family
+from .families import FAMILIES, ModelFamily, check_flavour, family_names, get_family
 from .versions import CURRENT_CONFIG_VERSION
 
 GROUPS = ("model", "training", "lora", "memory", "tread", "validation", "logging", "data")
@@ -176,7 +176,7 @@ class WebhookConfig(_Strict):
 class TrainConfig(BaseModel):
     """A validated training config (config.json)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid")
 
     # model
     config_version: Int = _field(
@@ -392,6 +392,17 @@ class TrainConfig(BaseModel):
             parse_resolution_list(value)  # raises ValueError with the bad item
         return value
 
+    @field_validator("tread_config", mode="before")
+    @classmethod
+    def _tread_json(cls, value: Any) -> Any:
+        # SimpleTuner's command line passes tread_config as a JSON string
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
+        return value
+
     @field_validator("webhook_config", mode="before")
     @classmethod
     def _webhook_list(cls, value: Any) -> Any:
@@ -512,7 +523,7 @@ class TrainConfig(BaseModel):
     # ---- derived values ----
 
     @property
-    def family(self):
+    def family(self) -> ModelFamily:
         """The :class:`~simpletuner.config.families.ModelFamily` of ``model_family``."""
         return get_family(self.model_family)
 

@@ -93,6 +93,10 @@ def test_null_spellings():
     assert config.seed is None and config.checkpointing_steps is None and config.validation_prompt is None
     assert config.report_to == "none" and config.evaluation_type == "none"
     assert config.tracker_run_name is None
+    config = load(report_to="", pretrained_model_name_or_path="", validation_negative_prompt="")
+    assert config.report_to == "none"
+    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert config.validation_negative_prompt == ""
 
 
 def test_choices_are_case_insensitive():
@@ -225,6 +229,14 @@ def test_tread_config_accepts_simpletuner_routes():
     config = load(tread_config={"routes": [route("0.5", "2", -2)]})
     assert config.tread_config.routes[0].selection_ratio == 0.5
     assert config.tread_config.routes[0].end_layer_idx == -2
+
+
+def test_tread_config_as_a_json_string():
+    text = json.dumps({"routes": [route(0.5, 2, -2)]})
+    config = load_train_config({"model_family": "flux", "TRAINER_EXTRA_ARGS": f"--tread_config='{text}'"}).config
+    assert config.tread_config.routes[0].start_layer_idx == 2
+    errors = errors_of(tread_config="{routes: []}")
+    assert errors[0].path == "tread_config" and "not valid JSON" in errors[0].message
 
 
 def test_tread_reversed_window():
