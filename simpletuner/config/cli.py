@@ -48,7 +48,7 @@ def validate_files(config_path: str, data_backend_config: str | None = None) -> 
     Relative paths are resolved against the working directory, as SimpleTuner does.
     """
     report = ValidationReport()
-    resolution = resolution_type = None
+    config = None
     readable = True
     try:
         loaded = load_train_config(config_path)
@@ -64,7 +64,6 @@ def validate_files(config_path: str, data_backend_config: str | None = None) -> 
         report.warnings += _prefixed(config_path, loaded.warnings + check_train_paths(config))
         report.config = dump_train_config(config)
         configured = config.data_backend_config
-        resolution, resolution_type = config.resolution, config.resolution_type
 
     data_path = data_backend_config or configured
     if not data_path:
@@ -80,7 +79,7 @@ def validate_files(config_path: str, data_backend_config: str | None = None) -> 
     if not isinstance(data_path, str):
         return report  # the config's own error already names data_backend_config
     try:
-        backends = load_data_backends(data_path, resolution=resolution, resolution_type=resolution_type)
+        backends = load_data_backends(data_path, config=config)
     except ConfigError as exc:
         report.add(exc)
     else:

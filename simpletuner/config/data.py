@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .coerce import Int, Number, check_resolution, normalise_values
 from .errors import ConfigError, FieldError, errors_from_validation
+from .train import TrainConfig
 
 _NOT_YET = {
     "dataset_type": {"video", "conditioning", "image_embeds", "conditioning_image_embeds", "audio"},
@@ -315,15 +316,20 @@ def parse_data_backends(
 def load_data_backends(
     source: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
     *,
+    config: TrainConfig | None = None,
     resolution: float | None = None,
     resolution_type: str | None = None,
 ) -> DataBackends:
     """Load and validate multidatabackend.json (a path) or its contents (a list of backend objects).
 
-    See :func:`parse_data_backends`; errors from a file are attributed to it.
+    Dataset defaults come from ``config`` (its ``resolution`` and ``resolution_type``) unless given explicitly;
+    see :func:`parse_data_backends`. Errors from a file are attributed to it.
     """
     from .loader import read_json
 
+    if config is not None:
+        resolution = config.resolution if resolution is None else resolution
+        resolution_type = config.resolution_type if resolution_type is None else resolution_type
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         return parse_data_backends(read_json(source), resolution=resolution, resolution_type=resolution_type, source=name)

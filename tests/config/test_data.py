@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simpletuner.config import ConfigError, check_paths, load_data_backends, parse_data_backends
+from simpletuner.config import ConfigError, check_paths, load_data_backends, load_train_config, parse_data_backends
 
 
 def errors_of(entries, **kwargs):
@@ -33,6 +33,9 @@ def test_dataset_defaults_come_from_the_config(make_backends):
     assert (dataset.resolution, dataset.resolution_type) == (512, "pixel")
     dataset = parse_data_backends(entries).datasets[0]
     assert (dataset.resolution, dataset.resolution_type) == (1024, "pixel_area")
+    config = load_train_config({"model_family": "flux", "resolution": "0.5", "resolution_type": "area"}).config
+    dataset = load_data_backends(entries, config=config).datasets[0]
+    assert (dataset.resolution, dataset.resolution_type) == (0.5, "area")
     # an area-type default given in pixels is caught on the dataset that inherits it
     errors = errors_of(entries, resolution=1024, resolution_type="area")
     assert errors[0].path == "datasets[pics].resolution"
