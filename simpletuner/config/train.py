@@ -24,8 +24,6 @@ from .versions import CURRENT_CONFIG_VERSION
 
 GROUPS = ("model", "training", "lora", "memory", "tread", "validation", "logging", "data")
 
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-PRECISIONS = ("no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto")
 LoraTarget = Literal["all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano"]
 Precision = Literal["no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"]
 
