@@ -318,6 +318,8 @@ class WebhookReporter:
         if verify not in self._clients:
             import httpx
 
+            # One INFO line per POST would flood the training log.
+            logging.getLogger("httpx").setLevel(max(logging.getLogger("httpx").level, logging.WARNING))
             self._clients[verify] = httpx.Client(timeout=self.timeout, verify=verify)
         return self._clients[verify]
 

@@ -1,0 +1,90 @@
+"""``simpletuner server``: run the training server (FastAPI + uvicorn) on http://127.0.0.1:8001."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .settings import DEFAULT_HOST, DEFAULT_PORT, TOKEN_ENV, ServerSettings, default_data_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"interface to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="database, run dirs and token live here (default $SIMPLETUNER_DATA_DIR or ./.simpletuner)")
+    parser.add_argument("--db-url", default=None,
+                        help="any SQLAlchemy URL (default: sqlite file in the data dir)")
+    parser.add_argument("--max-concurrent", type=int, default=None,
+                        help="jobs run at once (default: one per detected GPU, 1 on CPU)")
+    parser.add_argument("--token", default=None,
+                        help=f"API token (default ${TOKEN_ENV}, else generated into DATA_DIR/api_token)")
+    parser.add_argument("--require-token", action="store_true",
+                        help="ask loopback clients for the token too")
+    parser.add_argument("--allowed-root", action="append", type=Path, default=None, dest="allowed_roots",
+                        help="folder configs may read/write under (repeatable; default: data dir + working dir)")
+    parser.add_argument("--public-url", default=None,
+                        help="base URL jobs post their webhooks to (default http://127.0.0.1:PORT)")
+    parser.add_argument("--launcher", choices=("accelerate", "python"), default="accelerate",
+                        help="how jobs start: accelerate launch (default) or plain python for one process")
+    parser.add_argument("--cancel-grace", type=float, default=15.0,
+                        help="seconds between SIGTERM and SIGKILL when cancelling (default 15)")
+    parser.add_argument("--stop-jobs-on-exit", action="store_true",
+                        help="cancel running jobs when the server stops (default: they keep running and the "
+                             "next start adopts them)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir or default_data_dir(),
+        db_url=args.db_url,
+        max_concurrent=args.max_concurrent,
+        token=args.token,
+        require_token=args.require_token,
+        allowed_roots=args.allowed_roots,
+        public_url=args.public_url,
+        launcher=args.launcher,
+        cancel_grace=args.cancel_grace,
+        stop_jobs_on_shutdown=args.stop_jobs_on_exit,
+        job_command=_job_command_from_env(),
+    )
+
+
+def _job_command_from_env() -> list[str] | None:
+    # For tests and benchmarks only: a JSON list replacing the trainer command (see ServerSettings.job_command).
+    raw = os.environ.get("SIMPLETUNER_SERVER_JOB_COMMAND")
+    if not raw:
+        return None
+    import json
+
+    value = json.loads(raw)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SystemExit("SIMPLETUNER_SERVER_JOB_COMMAND must be a JSON list of strings")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .auth import is_loopback
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    app = create_app(settings)
+    url = f"http://{settings.host if ':' not in settings.host else '[' + settings.host + ']'}:{settings.port}"
+    print(f"SimpleTuner server on {url}  (API docs {url}/docs)", file=sys.stderr)
+    print(f"  data dir {settings.data_dir}; database {settings.resolved_db_url()}; "
+          f"{app.state.manager.max_concurrent} job slot(s)", file=sys.stderr)
+    if app.state.token_generated:
+        print(f"  API token (saved in {settings.data_dir / 'api_token'}): {app.state.token}", file=sys.stderr)
+    if not is_loopback(settings.host) and settings.host != "localhost":
+        print("  listening beyond loopback: remote clients need 'Authorization: Bearer <token>'", file=sys.stderr)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    return 0
