@@ -330,7 +330,7 @@ def apply_tread(
     for r, route in enumerate(resolved):
         for i in range(route.start_layer_idx, route.end_layer_idx + 1):
             first, last = i == route.start_layer_idx, i == route.end_layer_idx
-            pre = _make_pre_hook(handle, r, route, first)
+            pre = _make_pre_hook(handle, r, first)
             post = _make_post_hook(handle, last)
             handle.hooks[f"tread.route{r}.block{i}.pre"] = blocks[i].register_forward_pre_hook(pre, with_kwargs=True)
             handle.hooks[f"tread.route{r}.block{i}.post"] = blocks[i].register_forward_hook(post, with_kwargs=True)
@@ -338,7 +338,7 @@ def apply_tread(
     return handle
 
 
-def _make_pre_hook(handle: TreadHandle, r: int, route: TreadRoute, first: bool):
+def _make_pre_hook(handle: TreadHandle, r: int, first: bool):
     layout = handle.layout
 
     def pre_hook(block: nn.Module, args: tuple, kwargs: dict):
@@ -353,7 +353,7 @@ def _make_pre_hook(handle: TreadHandle, r: int, route: TreadRoute, first: bool):
                     return None
                 text = _get(args, kwargs, layout.text_arg, layout.text_pos)
                 text_len = text.shape[1] if text is not None else 0
-                idx = handle.router.select(img, route.selection_ratio, force_keep=handle._force_keep,
+                idx = handle.router.select(img, handle.routes[r].selection_ratio, force_keep=handle._force_keep,
                                            shared=layout.shared_selection)
                 rotary = _get(args, kwargs, layout.rotary_arg, layout.rotary_pos)
                 if layout.rotary_arg is not None and rotary is not None:
