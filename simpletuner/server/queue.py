@@ -317,6 +317,7 @@ class JobManager:
                         owner_pid=self.pid,
                         attempt=JobRow.attempt + 1,
                         webhook_secret=secret,
+                        run_dir=str(self.run_dir_for(job_id)),
                         pid=None,
                         pgid=None,
                         exit_code=None,

@@ -23,6 +23,7 @@ PATH_KEYS = {
     "cache_dir",
 }
 PATH_SUFFIXES = ("_dir", "_path", "_file", "_folder")
+PATH_PREFIXES = ("cache_dir",)  # cache_dir_vae, cache_dir_text, ...
 # Data backend types whose paths are not on this machine's disk.
 REMOTE_BACKENDS = {"aws", "s3", "huggingface", "hf", "csv_url"}
 
@@ -63,7 +64,7 @@ def _canon(key: str) -> str:
 
 def _is_path_key(key: str) -> bool:
     key = _canon(key)
-    return key in PATH_KEYS or key.endswith(PATH_SUFFIXES)
+    return key in PATH_KEYS or key.endswith(PATH_SUFFIXES) or key.startswith(PATH_PREFIXES)
 
 
 def _looks_like_url(value: str) -> bool:

@@ -116,11 +116,12 @@ class LiveServer:
         self.thread.join(30)
 
     def wait_status(self, job_id: int, statuses, timeout: float = 30) -> dict:
+        """Poll until the job is in one of ``statuses`` (a running job: until its process has started)."""
         statuses = {statuses} if isinstance(statuses, str) else set(statuses)
         deadline = time.time() + timeout
         while True:
             job = self.http.get(f"/api/jobs/{job_id}").json()
-            if job["status"] in statuses:
+            if job["status"] in statuses and (job["status"] != "running" or job["pid"]):
                 return job
             if time.time() > deadline:
                 raise AssertionError(f"job {job_id} is {job['status']}, wanted {statuses}: {job}")
