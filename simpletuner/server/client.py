@@ -206,12 +206,24 @@ def build_submit_body(args: argparse.Namespace) -> dict:
                 backends_path = Path(named)
         if backends_path is not None:
             body["data_backends"] = _read_json(backends_path, "--data-backends")
-        if args.prompt_library is not None:
-            body["prompt_library"] = _read_json(args.prompt_library, "--prompt-library")
+            _drop_key(cfg, "data_backend_config")  # sent inline; a path on this machine means nothing there
+        library = args.prompt_library
+        named = cfg.get("user_prompt_library") or cfg.get("--user_prompt_library")
+        if library is None and isinstance(named, str) and Path(named).exists():
+            library = Path(named)
+        if library is not None:
+            body["prompt_library"] = _read_json(library, "--prompt-library")
+            _drop_key(cfg, "user_prompt_library")
         body["train_config"] = cfg
     if args.prompt_library is not None and "prompt_library" not in body:
         body["prompt_library"] = _read_json(args.prompt_library, "--prompt-library")
     return body
+
+
+def _drop_key(cfg: dict, key: str) -> None:
+    for k in list(cfg):
+        if k.lstrip("-").replace("-", "_") == key:
+            del cfg[k]
 
 
 def _ts(value: float | None) -> str:
