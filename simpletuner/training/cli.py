@@ -47,7 +47,7 @@ def load_configs(config_path: str, data_backend_config: str | None, overrides: d
               "with --data_backend_config)", file=sys.stderr)
         raise SystemExit(1)
     try:
-        backends = load_data_backends(backend_path)
+        backends = load_data_backends(backend_path, config=loaded.config)
     except ConfigError as exc:
         print(f"error: invalid data backend config\n{exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -50,6 +50,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     vae_forwards: int = 0
     text_encoder_forwards: int = 0
+    latents_encoded: int = 0
+    captions_encoded: int = 0
 
 
 @dataclass
@@ -59,6 +61,8 @@ class TrainData:
     text_cache: TensorCache
     vae_identity: str
     text_identity: str
+    latents_encoded: int = 0
+    captions_encoded: int = 0
 
 
 class _StopFlag:
@@ -122,11 +126,14 @@ def prepare_data(config, backends, adapter, accelerator) -> TrainData:
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
-        fill_latent_cache({b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
-                          adapter, config.vae_batch_size, show_progress=show)
-        fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size, show_progress=show)
+        latents_encoded = fill_latent_cache(
+            {b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
+            adapter, config.vae_batch_size, show_progress=show,
+        )
+        captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
+                                           show_progress=show)
     adapter.unload_encoders()  # training reads the caches only
-    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity)
+    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
 
 
 def build_transformer(config, adapter, accelerator):
@@ -314,7 +321,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- save ----
     accelerator.wait_for_everyone()
     result = TrainResult(str(output_dir), global_step, losses[-1] if losses else None, losses=losses,
-                         vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards)
+                         vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards,
+                         latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded)
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
         if config.model_type == "lora":

@@ -1,0 +1,137 @@
+"""The Flux adapter against diffusers' own FluxPipeline on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from simpletuner.models.base import TextEmbedding
+from simpletuner.models.flux import FluxAdapter
+from tests.helpers import flux_config
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_flux_path):
+    a = FluxAdapter(flux_config())
+    a.load_text_encoders()
+    a.load_vae()
+    return a
+
+
+@pytest.fixture(scope="module")
+def transformer(adapter):
+    return adapter.load_transformer().eval()
+
+
+def test_tiny_checkpoint_has_the_diffusers_layout(tiny_flux_path):
+    index = json.loads((tiny_flux_path / "model_index.json").read_text())
+    assert index["_class_name"] == "FluxPipeline"
+    for folder in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"):
+        assert (tiny_flux_path / folder).is_dir(), folder
+        assert index[folder][1], folder
+    # and diffusers' own loader reads it as a whole pipeline
+    pipe = FluxPipeline.from_pretrained(tiny_flux_path)
+    assert pipe.vae.config.shift_factor is not None
+
+
+def test_tiny_checkpoint_is_deterministic(tmp_path):
+    from simpletuner.models.flux import write_tiny_flux
+    from safetensors.torch import load_file
+
+    write_tiny_flux(tmp_path / "a")
+    write_tiny_flux(tmp_path / "b")
+    for sub in ("transformer", "vae", "text_encoder_2"):
+        fa = next((tmp_path / "a" / sub).glob("*.safetensors"))
+        a, b = load_file(fa), load_file(tmp_path / "b" / sub / fa.name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prediction_matches_what_fluxpipeline_feeds_its_transformer(adapter, transformer):
+    """Capture the transformer call FluxPipeline makes, then ask the adapter for the same prediction."""
+    pipe = adapter.build_pipeline(transformer)
+    generator = torch.Generator().manual_seed(0)
+    height = width = 128
+    latents = torch.randn(1, 4, height // 8, width // 8, generator=generator)
+    captured = {}
+
+    def hook(module, args, kwargs, output):
+        if not captured:
+            captured.update(kwargs=kwargs, output=output[0].detach().clone())
+
+    handle = transformer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        pipe(
+            prompt="a red circle on a blue background", height=height, width=width, num_inference_steps=2,
+            guidance_scale=3.5, latents=adapter.pack_latents(latents), max_sequence_length=adapter.t5_max_length,
+            output_type="latent",
+        )
+    finally:
+        handle.remove()
+
+    sigma = captured["kwargs"]["timestep"]
+    text = TextEmbedding.collate(adapter.encode_prompts(["a red circle on a blue background"]))
+    adapter.config.flux_guidance_value = 3.5
+    with torch.no_grad():
+        ours = adapter.predict(transformer, latents, sigma, text)
+        inputs = adapter.model_inputs(transformer, latents, sigma, text)
+    for key in ("hidden_states", "encoder_hidden_states", "pooled_projections", "img_ids", "txt_ids", "guidance"):
+        assert torch.allclose(inputs[key].float(), captured["kwargs"][key].float(), atol=1e-6), key
+    theirs = FluxAdapter.unpack_latents(captured["output"], latents.shape[2], latents.shape[3])
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_pack_unpack_roundtrip():
+    x = torch.randn(2, 4, 12, 16)
+    packed = FluxAdapter.pack_latents(x)
+    assert packed.shape == (2, 6 * 8, 16)
+    assert torch.equal(FluxAdapter.unpack_latents(packed, 12, 16), x)
+
+
+def test_vae_latents_decode_back(adapter):
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    latents = adapter.encode_images(pixels)
+    assert latents.shape == (1, 4, 8, 8)
+    assert adapter.decode_latents(latents).shape == (1, 3, 64, 64)
+
+
+@pytest.mark.parametrize("preset", ["all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano"])
+def test_lora_presets_match_real_modules(adapter, transformer, preset):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = adapter.lora_target_modules(transformer, preset)
+    model = adapter.load_transformer()
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=targets), model)
+    wrapped = [n for n, _ in model.named_modules() if n.endswith("lora_A")]
+    assert wrapped, preset
+    if preset == "mmdit":
+        assert all(n.startswith("transformer_blocks.") for n in wrapped)
+    if preset == "nano":
+        assert len(wrapped) == 1
+
+
+def test_unknown_preset_names_the_field(adapter, transformer):
+    with pytest.raises(ValueError, match="flux_lora_target"):
+        adapter.lora_target_modules(transformer, "everything")
+
+
+def test_schnell_has_no_guidance_vector(adapter):
+    from diffusers import FluxTransformer2DModel
+
+    t = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                               pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    assert adapter.guidance_vector(t, 2, "cpu", torch.float32) is None
+
+
+def test_registry_imports_family_only_on_use():
+    import subprocess
+    import sys
+
+    code = ("import sys; from simpletuner.models import registry; "
+            "assert 'simpletuner.models.flux' not in sys.modules; assert 'torch' not in sys.modules; "
+            "registry.get_adapter_class('flux'); assert 'simpletuner.models.flux' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
