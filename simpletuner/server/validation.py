@@ -73,10 +73,13 @@ def _looks_like_url(value: str) -> bool:
 
 def within_roots(value: str, roots: list[Path], base: Path) -> bool:
     """True when ``value`` (relative paths resolve against ``base``; symlinks are followed) is inside a root."""
-    p = Path(os.path.expanduser(value))
-    if not p.is_absolute():
-        p = base / p
-    real = Path(os.path.realpath(p))
+    try:
+        p = Path(os.path.expanduser(value))
+        if not p.is_absolute():
+            p = base / p
+        real = Path(os.path.realpath(p))
+    except (OSError, ValueError):  # NUL bytes, names too long: not a usable path, so not an allowed one
+        return False
     return any(real == r or r in real.parents for r in roots)
 
 

@@ -30,6 +30,13 @@ def _resolve(request: Request, path: str | None) -> Path:
     return Path(os.path.realpath(p if p.is_absolute() else s.workdir / p))
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # e.g. name too long
+        return False
+
+
 def _count_images(folder: Path, cap: int = 10_000) -> int:
     n = 0
     try:
@@ -49,7 +56,7 @@ def browse(request: Request, path: PathQuery = None) -> DirListing:
     folder = _resolve(request, path)
     roots = deps.settings(request).resolved_allowed_roots()
     entries: list[DirEntry] = []
-    if folder.is_dir():
+    if _is_dir(folder):
         try:
             items = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError:
@@ -72,7 +79,7 @@ def browse(request: Request, path: PathQuery = None) -> DirListing:
 def scan(request: Request, path: Annotated[str, Query(min_length=1, max_length=4096)],
          recursive: bool = True) -> DatasetScan:
     folder = _resolve(request, path)
-    out = DatasetScan(path=str(folder), exists=folder.is_dir())
+    out = DatasetScan(path=str(folder), exists=_is_dir(folder))
     if not out.exists:
         return out
     stems_with_caption: set[str] = set()

@@ -214,7 +214,11 @@ def list_files(job_id: JobId, request: Request,
     summary="Download one file from the job's run dir")
 def get_file(job_id: JobId, path: str, request: Request) -> FileResponse:
     root = _run_dir(request, job_id).resolve()
-    target = (root / path).resolve()
-    if root not in target.parents or not target.is_file():
+    try:
+        target = (root / path).resolve()
+        ok = root in target.parents and target.is_file()
+    except (OSError, ValueError):  # name too long, NUL byte
+        ok = False
+    if not ok:
         raise deps.not_found(f"file {path!r} of job {job_id}")
     return FileResponse(target)
