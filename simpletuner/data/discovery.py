@@ -104,17 +104,23 @@ def plan_image(backend, path: Path, width: int, height: int, defaults, multiple:
     if minimum and _size_measure(width, height, resolution_type) < float(minimum):
         return None, f"smaller than minimum_image_size={minimum} ({width}x{height})"
     rng = random.Random(seed_key)
+    downsampled = False
     if getattr(backend, "crop", False):
         maximum = getattr(backend, "maximum_image_size", None)
         downsample = getattr(backend, "target_downsample_size", None)
         if maximum and downsample and _size_measure(width, height, resolution_type) > float(maximum):
             width, height = bucket_size(width, height, downsample, resolution_type, 1)
+            downsampled = True
         target = _crop_target(backend, width, height, resolution, resolution_type, multiple, rng)
     else:
         target = bucket_size(width, height, resolution, resolution_type, multiple)
     tw, th = target
-    scale = max(tw / width, th / height)
-    rw, rh = max(tw, math.ceil(width * scale)), max(th, math.ceil(height * scale))
+    if downsampled and width >= tw and height >= th:
+        # an oversized image is shrunk to target_downsample_size and the crop is a region of it (a detail crop)
+        rw, rh = width, height
+    else:
+        scale = max(tw / width, th / height)
+        rw, rh = max(tw, math.ceil(width * scale)), max(th, math.ceil(height * scale))
     style = getattr(backend, "crop_style", "center") or "center"
     if style == "random" and getattr(backend, "crop", False):
         left, top = rng.randint(0, rw - tw), rng.randint(0, rh - th)
