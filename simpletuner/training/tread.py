@@ -192,7 +192,7 @@ def slice_concat_rotary(rotary: Any, idx: torch.Tensor, text_len: int) -> Any:
     if rotary is None:
         return None
     kept = idx[0]
-    if idx.shape[0] > 1 and not bool((idx == kept).all()):
+    if idx.shape[0] > 1 and idx.stride(0) != 0 and not bool((idx == kept).all()):  # stride 0: shared (expanded)
         raise ValueError("slice_concat_rotary: RoPE without a batch dimension needs shared_selection=True")
     tensors = rotary if isinstance(rotary, (tuple, list)) else (rotary,)
     rows = torch.cat([torch.arange(text_len, device=kept.device), kept + text_len]).to(tensors[0].device)
