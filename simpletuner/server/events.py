@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import load_only
 
 from simpletuner.training.webhooks import verify
 
@@ -20,6 +21,8 @@ from .schemas import EventOut, WebhookEvent
 
 IMAGE_MAGIC = {b"\x89PNG\r\n\x1a\n": ".png", b"\xff\xd8\xff": ".jpg", b"RIFF": ".webp", b"GIF8": ".gif"}
 MAX_CHECKPOINTS = 50
+FOLD_COLUMNS = (JobRow.id, JobRow.attempt, JobRow.webhook_secret, JobRow.run_dir, JobRow.progress,
+                JobRow.results, JobRow.error)
 
 
 class IngestError(Exception):
@@ -105,9 +108,9 @@ def ingest(db: Database, job_id: int, body: bytes, signature: str | None, data_d
     """Verify and store one trainer event. Returns (stored, row id); a repeat of a stored seq is not stored
     again. Raises IngestError(401/403/404/409/422)."""
     with db.session() as s:
-        job = s.get(JobRow, job_id)
-        secret = job.webhook_secret if job is not None else None
-    if job is None:
+        found = s.execute(select(JobRow.id, JobRow.webhook_secret).where(JobRow.id == job_id)).first()
+    secret = found.webhook_secret if found is not None else None
+    if found is None:
         raise IngestError(404, f"job {job_id} not found")
     if not signature:
         raise IngestError(401, "missing X-SimpleTuner-Signature header")
@@ -130,7 +133,8 @@ def ingest(db: Database, job_id: int, body: bytes, signature: str | None, data_d
 def _store(db: Database, job_id: int, secret: str, event: WebhookEvent, data: dict,
            data_dir: Path) -> tuple[bool, int | None]:
     with db.session(write=True) as s:
-        job = s.get(JobRow, job_id)
+        # Only the columns an event touches: the frozen config is large and never needed here.
+        job = s.get(JobRow, job_id, options=[load_only(*FOLD_COLUMNS)])
         if job.webhook_secret != secret:  # rotated by a new attempt meanwhile
             raise IngestError(403, "signature does not match this job's webhook secret")
         existing = s.scalar(select(JobEventRow.id).where(
