@@ -121,6 +121,10 @@ class ModelAdapter:
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
         raise NotImplementedError
 
+    def transformer_depth(self) -> int:
+        """How many blocks a TREAD route can index (read from config, without loading weights)."""
+        raise NotImplementedError
+
     def tread_layout(self, transformer):
         raise NotImplementedError(f"{self.family} has no TREAD router support yet")
 

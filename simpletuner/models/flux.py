@@ -14,13 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderTiny,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
 
 from simpletuner.models import tiny
 from simpletuner.models.base import ModelAdapter, TextEmbedding
 
 # T5 sequence length per flavour (SimpleTuner's defaults; schnell was distilled with 256)
 DEFAULT_T5_LENGTH = {"schnell": 256, "tiny": 64}
+# Tiny AutoEncoder for Flux.1 latents (live previews); the tiny flavour ships its own in vae_preview/
+PREVIEW_DECODER = "madebyollin/taef1"
 
 _ATTN = ["to_k", "to_q", "to_v"]
 _CONTEXT_ATTN = ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"]
@@ -187,6 +195,15 @@ class FluxAdapter(ModelAdapter):
             raise ValueError(f"flux_lora_target: {preset!r} is not one of {', '.join(presets)}")
         return presets[preset]
 
+    def transformer_depth(self) -> int:
+        """Double + single blocks, read from the transformer's config.json without loading weights."""
+        path, subfolder = self._transformer_source()
+        if str(path).endswith((".safetensors", ".sft")):
+            model = self.load_transformer()
+            return len(model.transformer_blocks) + len(model.single_transformer_blocks)
+        cfg = FluxTransformer2DModel.load_config(path, subfolder=subfolder or None, revision=self.config.revision)
+        return int(cfg["num_layers"]) + int(cfg["num_single_layers"])
+
     def tread_layout(self, transformer):
         from simpletuner.training.tread import TreadLayout
 
@@ -205,6 +222,40 @@ class FluxAdapter(ModelAdapter):
             text_encoder=self.text_encoders[0], tokenizer=self.tokenizers[0],
             text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1],
         )
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def build_validation_pipeline(self, transformer) -> FluxPipeline:
+        """A FluxPipeline around the training transformer that takes cached prompt embeddings (no text encoders)."""
+        if self.vae is None:
+            self.load_vae()
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path(), subfolder="scheduler")
+        return FluxPipeline(scheduler=scheduler, vae=self.vae, transformer=transformer, text_encoder=None,
+                            tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+
+    def validation_pipeline_kwargs(self, text, negative=None, *, guidance: float, guidance_real: float) -> dict:
+        """FluxPipeline arguments for one image from batched cached embeddings: ``guidance`` is Flux's distilled
+        guidance; ``guidance_real`` > 1 with a ``negative`` embedding turns on true classifier-free guidance."""
+        kwargs = {"prompt_embeds": text["prompt_embeds"], "pooled_prompt_embeds": text["pooled_prompt_embeds"],
+                  "guidance_scale": guidance}
+        if guidance_real > 1 and negative is not None:
+            kwargs.update(negative_prompt_embeds=negative["prompt_embeds"],
+                          negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"], true_cfg_scale=guidance_real)
+        return kwargs
+
+    def load_preview_decoder(self) -> AutoencoderTiny:
+        """The Tiny AutoEncoder (taef1) that decodes live previews; the tiny flavour's own random one."""
+        if self.config.model_flavour == "tiny":
+            decoder = AutoencoderTiny.from_pretrained(self.model_path(), subfolder="vae_preview")
+        else:
+            decoder = AutoencoderTiny.from_pretrained(PREVIEW_DECODER, torch_dtype=torch.float32)
+        return decoder.requires_grad_(False).eval().to(self.device)
+
+    def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The pipeline's packed latents mid-denoise -> (B, C, h, w) in the VAE's raw latent space (what an
+        AutoencoderTiny decodes)."""
+        cfg = self.vae.config
+        unpacked = FluxPipeline._unpack_latents(latents, height, width, 2 ** (len(cfg.block_out_channels) - 1))
+        return unpacked / cfg.scaling_factor + cfg.shift_factor
 
 
 def _at_depth(fraction: float, depth: int) -> int:
@@ -251,3 +302,9 @@ def write_tiny_flux(folder: Path, seed: int = 0) -> None:
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
     )
     pipe.save_pretrained(folder, safe_serialization=True)
+    torch.manual_seed(seed + 4)
+    # a Tiny AutoEncoder for live previews, matching the tiny VAE's latents (4 channels, 8x upscale)
+    AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1),
+    ).save_pretrained(Path(folder) / "vae_preview", safe_serialization=True)

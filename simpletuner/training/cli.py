@@ -69,11 +69,14 @@ def run(args) -> int:
         for item in args.set:
             cmd += ["--set", item]
         return subprocess.call(cmd, env=os.environ.copy())
+    # transformers' import-time notices (e.g. about torchvision) are noise in a training log
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from simpletuner.config import ConfigError
     from simpletuner.data.discovery import DatasetError
     from simpletuner.training.trainer import run as run_training
 
     try:
         return run_training(loaded.config, backends)
-    except (DatasetError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, DatasetError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

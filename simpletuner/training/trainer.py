@@ -104,6 +104,14 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if config.base_model_default_dtype == "bf16" else torch.float32
 
 
+def preflight(config, adapter) -> None:
+    """Checks that need the model's shape, done before anything is cached or written."""
+    if config.tread_config is not None:
+        from simpletuner.config import resolve_tread_routes
+
+        resolve_tread_routes(config.tread_config.routes, adapter.transformer_depth())
+
+
 def prepare_data(config, backends, adapter, accelerator) -> TrainData:
     """Discover samples, build the bucket sampler, and fill the latent and text caches (main process first)."""
     training_backends = [b for b in backends.datasets if b.dataset_type == "image"]
@@ -136,13 +144,21 @@ def prepare_data(config, backends, adapter, accelerator) -> TrainData:
     return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
 
 
-def build_transformer(config, adapter, accelerator):
-    """Load the transformer and make it trainable: quantize, LoRA or full, checkpointing, offload, TREAD."""
+def build_transformer(config, adapter, accelerator, generator: torch.Generator):
+    """Load the transformer and make it trainable. The order matters: quantize the frozen base, attach LoRA (or
+    unfreeze for full training), pick attention, gradient checkpointing, group offload, TREAD, then compile."""
+    from simpletuner.training.compile import (apply_gradient_checkpointing_interval, compile_transformer_blocks,
+                                              set_attention_mechanism)
+
+    device = accelerator.device
     transformer = adapter.load_transformer()
     if config.base_model_precision not in (None, "no_change"):
-        from simpletuner.training.quantize import quantize_model
+        from simpletuner.training.quantize import check_quantized_training, quantize_model
 
-        quantize_model(transformer, config.base_model_precision)
+        check_quantized_training(config.base_model_precision, model_type=config.model_type,
+                                 init_lora_weights=config.lora_init_type)
+        quantize_model(transformer, config.base_model_precision,
+                       device=device if config.quantize_via == "accelerator" else None)
     if config.model_type == "lora":
         add_lora(transformer, adapter, config)
         for p in transformer.parameters():
@@ -150,13 +166,29 @@ def build_transformer(config, adapter, accelerator):
                 p.data = p.data.float()  # LoRA weights train in fp32 over a frozen base of any dtype
     else:
         transformer.requires_grad_(True)
+    set_attention_mechanism(transformer, config.attention_mechanism or "sdpa")
     if config.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-        if config.gradient_checkpointing_interval and config.gradient_checkpointing_interval > 1:
-            from simpletuner.training.gradient_checkpointing import apply_gradient_checkpointing_interval
+        apply_gradient_checkpointing_interval(transformer, config.gradient_checkpointing_interval or 1)
+    if config.enable_group_offload:
+        from simpletuner.training.offload import enable_group_offload
 
-            apply_gradient_checkpointing_interval(transformer, config.gradient_checkpointing_interval)
-    transformer.to(accelerator.device)
+        enable_group_offload(
+            transformer, onload_device=device, offload_type=config.group_offload_type,
+            blocks_per_group=config.group_offload_blocks_per_group, use_stream=config.group_offload_use_stream,
+            to_disk_path=config.group_offload_to_disk_path, training=True,
+        )
+    else:
+        transformer.to(device)
+    if config.tread_config is not None:
+        from simpletuner.training.tread import apply_tread
+
+        # the router draws from the trainer's generator, so a resumed run routes exactly as an uninterrupted one
+        handle = apply_tread(transformer, config.tread_config.routes, adapter.tread_layout(transformer),
+                             generator=generator)
+        log.info("TREAD: %s", ", ".join(f"drop {r.selection_ratio:.0%} of image tokens in blocks "
+                                        f"{r.start_layer_idx}..{r.end_layer_idx}" for r in handle.routes))
+    if config.compile:
+        compile_transformer_blocks(transformer, device=device)
     transformer.train()
     return transformer
 
@@ -244,11 +276,12 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- data and caches ----
     adapter = create_adapter(config, device=accelerator.device,
                              weight_dtype=weight_dtype_for(config, accelerator.device))
+    preflight(config, adapter)
     data = prepare_data(config, backends, adapter, accelerator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
-    transformer = build_transformer(config, adapter, accelerator)
+    transformer = build_transformer(config, adapter, accelerator, generator)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = build_optimizer(config, params)
     lr_scheduler = get_scheduler(
@@ -256,7 +289,10 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
         num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes,
     )
-    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    # group-offloaded modules are placed by their hooks; accelerate must not move them with .to()
+    placement = [not config.enable_group_offload, True, True]
+    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler,
+                                                               device_placement=placement)
 
     # ---- resume ----
     global_step, epoch, batch_in_epoch = 0, 0, 0

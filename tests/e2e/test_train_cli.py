@@ -236,3 +236,40 @@ def test_help_does_not_import_torch():
             "sys.argv=['simpletuner','--help']\ntry:\n  cli.main(['--help'])\nexcept SystemExit: pass\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ})
+
+
+@pytest.mark.parametrize("features", [
+    {"base_model_precision": "int8-quanto", "gradient_checkpointing": True,
+     "tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}},
+    {"enable_group_offload": True, "group_offload_type": "block_level", "gradient_checkpointing": True,
+     "gradient_checkpointing_interval": 2},
+], ids=["int8-quanto+tread+checkpointing", "group-offload+checkpointing-interval"])
+def test_memory_features_train_and_give_a_plain_diffusers_lora(tmp_path, sample_dataset, features):
+    from diffusers import FluxPipeline
+
+    config, output = write_run(tmp_path, sample_dataset, max_train_steps=6, lr_warmup_steps=0, **features)
+    proc = simpletuner("train", "--config", str(config))
+    if "tread_config" in features:
+        assert "TREAD: drop 50% of image tokens in blocks 1..4" in proc.stderr
+    if "base_model_precision" in features:
+        assert "quantized" in proc.stderr
+    assert json.loads((output / "run_summary.json").read_text())["global_step"] == 6
+    # the LoRA trained over a quantized / offloaded / routed base loads on the plain unquantized pipeline
+    from simpletuner.models.tiny import tiny_root
+
+    pipe = FluxPipeline.from_pretrained(next(tiny_root().glob("flux-v*")))
+    kwargs = dict(prompt="a red circle", height=64, width=64, num_inference_steps=2, output_type="np",
+                  max_sequence_length=64)
+    base = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    pipe.load_lora_weights(str(output / "pytorch_lora_weights.safetensors"))
+    tuned = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    assert abs(base - tuned).max() > 1e-4
+
+
+def test_tread_route_past_the_model_depth_is_refused(tmp_path, sample_dataset):
+    routes = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": 40}]}
+    config, output = write_run(tmp_path, sample_dataset, tread_config=routes)
+    proc = simpletuner("train", "--config", str(config), check=False)
+    assert proc.returncode == 1
+    assert "end_layer_idx" in proc.stderr and "40" in proc.stderr
+    assert not output.exists() and not (tmp_path / "cache").exists()  # refused before caching anything
