@@ -1,0 +1,62 @@
+"""Pieces of trainer.py that are worth checking on their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from simpletuner.models.base import TextEmbedding
+from simpletuner.models.flux import FluxAdapter
+from simpletuner.training.lora import add_lora
+from simpletuner.training.trainer import compute_loss, total_train_steps, weight_dtype_for
+from tests.helpers import flux_config, namespace
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_flux_path):
+    config = flux_config(lora_dropout=0.0)
+    adapter = FluxAdapter(config)
+    transformer = adapter.load_transformer()
+    add_lora(transformer, adapter, config)
+    text = TextEmbedding.collate(adapter.encode_prompts(["a red circle", "a blue square"]))
+    return config, adapter, transformer, text
+
+
+def test_regularisation_samples_train_towards_the_base_model(setup):
+    config, adapter, transformer, text = setup
+    latents = torch.randn(2, 4, 8, 8)
+    # a fresh LoRA (B = 0) predicts exactly what the base does, so a regularisation batch has zero loss ...
+    reg = compute_loss(config, adapter, transformer, latents, text, torch.tensor([True, True]),
+                       torch.Generator().manual_seed(0))
+    assert reg.item() == 0.0
+    # ... while the same batch as ordinary data is trained towards the flow-matching velocity
+    plain = compute_loss(config, adapter, transformer, latents, text, torch.tensor([False, False]),
+                         torch.Generator().manual_seed(0))
+    assert plain.item() > 0.1
+    assert transformer.active_adapters()  # adapters are switched back on afterwards
+
+
+def test_lora_gradients_flow_only_into_lora_weights(setup):
+    config, adapter, transformer, text = setup
+    transformer.zero_grad(set_to_none=True)
+    loss = compute_loss(config, adapter, transformer, torch.randn(2, 4, 8, 8), text, torch.tensor([False, False]),
+                        torch.Generator().manual_seed(1))
+    loss.backward()
+    with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None}
+    assert with_grad and all("lora_" in n for n in with_grad)
+
+
+def test_steps_from_epochs_or_steps():
+    cfg = namespace(max_train_steps=0, num_train_epochs=3, gradient_accumulation_steps=2)
+    assert total_train_steps(cfg, batches_per_epoch=10, world_size=1) == (15, 3)
+    cfg = namespace(max_train_steps=7, num_train_epochs=0, gradient_accumulation_steps=1)
+    assert total_train_steps(cfg, batches_per_epoch=5, world_size=1) == (7, 2)
+    assert total_train_steps(cfg, batches_per_epoch=5, world_size=2) == (7, 4)
+
+
+def test_weight_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert weight_dtype_for(namespace(mixed_precision="no", base_model_default_dtype="bf16"), cuda) == torch.float32
+    assert weight_dtype_for(namespace(mixed_precision="bf16", base_model_default_dtype="bf16"), cuda) == torch.bfloat16
+    assert weight_dtype_for(namespace(mixed_precision="bf16", base_model_default_dtype="fp32"), cuda) == torch.float32
+    assert weight_dtype_for(namespace(mixed_precision="fp16", base_model_default_dtype="bf16"), cpu) == torch.float32
