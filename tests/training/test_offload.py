@@ -174,3 +174,25 @@ def test_invalid_options_name_the_field():
         check_offload_options(True, True)
     check_offload_options(True, False)
     check_offload_options(False, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: on CPU nothing moves")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_with_group_offload_to_cuda_matches_resident_training(checkpointing):
+    reference_model = prepare(None, checkpointing).to("cuda")
+    model = enable_group_offload(prepare(None, checkpointing), onload_device="cuda", use_stream=True)
+
+    def run(m):
+        inputs = {k: v.to("cuda") for k, v in flux_inputs().items()}
+        target = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(5)).to("cuda")
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(**inputs).sample, target)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    assert run(model) == pytest.approx(run(reference_model), rel=1e-4)
