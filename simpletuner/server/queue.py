@@ -322,6 +322,11 @@ class JobManager:
                         pgid=None,
                         exit_code=None,
                         finished_at=None,
+                        # per-attempt fields start empty (a re-queued job's events keep the history)
+                        reason=None,
+                        error=None,
+                        log_tail=None,
+                        progress=None,
                     )
                 ).rowcount
             if claimed != 1:
@@ -616,7 +621,11 @@ class JobManager:
                 continue
             if job.pgid and job.owner_host == self.host:
                 _signal_group(job.pgid, signal.SIGKILL)  # never leave a half-known process behind
-            if job.retry_on_restart:
+            if job.cancel_requested:
+                self._finish(job.id, status="cancelled", reason="cancelled by user (server restarted)",
+                             exit_code=None, results={**(job.results or {})})
+                outcomes.append((job.id, "cancelled"))
+            elif job.retry_on_restart:
                 with self.db.session(write=True) as s:
                     row = s.get(JobRow, job.id)
                     row.status = "queued"

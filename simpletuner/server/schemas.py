@@ -37,7 +37,8 @@ class ConfigBody(BaseModel):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "train_config": {"model_family": "flux", "model_flavour": "tiny", "max_train_steps": 5},
-        "data_backends": [{"id": "sample", "type": "local", "instance_data_dir": "datasets/sample"}],
+        "data_backends": [{"id": "sample", "type": "local", "instance_data_dir": "datasets/sample"},
+                          {"id": "text-embeds", "dataset_type": "text_embeds", "type": "local", "default": True}],
     }]})
     train_config: dict[str, Any]
     data_backends: list[dict[str, Any]] = []
