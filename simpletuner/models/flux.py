@@ -155,13 +155,14 @@ class FluxAdapter(ModelAdapter):
 
     def model_inputs(self, transformer, noisy_latents, sigmas, text: dict[str, torch.Tensor]) -> dict[str, Any]:
         b, _, h, w = noisy_latents.shape
-        dtype = next(transformer.parameters()).dtype
+        model = getattr(transformer, "module", transformer)  # unwrap DDP
+        dtype = model.dtype
         device = noisy_latents.device
         prompt_embeds = text["prompt_embeds"].to(device, dtype)
         return {
             "hidden_states": self.pack_latents(noisy_latents).to(dtype),
             "timestep": sigmas.to(device, dtype),
-            "guidance": self.guidance_vector(transformer, b, device, dtype),
+            "guidance": self.guidance_vector(model, b, device, dtype),
             "pooled_projections": text["pooled_prompt_embeds"].to(device, dtype),
             "encoder_hidden_states": prompt_embeds,
             "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),

@@ -56,19 +56,38 @@ def load_configs(config_path: str, data_backend_config: str | None, overrides: d
     return loaded, backends
 
 
+def launch_command(args) -> list[str]:
+    """``accelerate launch`` of ``python -m simpletuner.train`` with the same arguments, one process per rank."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes),
+           "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "simpletuner.train", "--config", args.config]
+    if args.data_backend_config:
+        cmd += ["--data_backend_config", args.data_backend_config]
+    for item in args.set:
+        cmd += ["--set", item]
+    return cmd
+
+
+def launch_env() -> dict[str, str]:
+    env = os.environ.copy()
+    if not _has_cuda():
+        # without GPUs, `--cpu` silently runs one process; this gives real gloo ranks instead
+        env["ACCELERATE_USE_CPU"] = "1"
+    return env
+
+
+def _has_cuda() -> bool:
+    import shutil
+
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
 def run(args) -> int:
     overrides = parse_overrides(args.set)
     loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
     if args.num_processes > 1:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes)]
-        if args.num_processes > 1:
-            cmd.append("--multi_gpu")
-        cmd += ["-m", "simpletuner.train", "--config", args.config]
-        if args.data_backend_config:
-            cmd += ["--data_backend_config", args.data_backend_config]
-        for item in args.set:
-            cmd += ["--set", item]
-        return subprocess.call(cmd, env=os.environ.copy())
+        return subprocess.call(launch_command(args), env=launch_env())
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from simpletuner.config import ConfigError

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
 from simpletuner.data.discovery import DatasetError, discover
 from simpletuner.data.sampler import BucketBatchSampler
+from simpletuner.evaluation.evaluator import Evaluator
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
@@ -112,7 +113,7 @@ def preflight(config, adapter) -> None:
         resolve_tread_routes(config.tread_config.routes, adapter.transformer_depth())
 
 
-def prepare_data(config, backends, adapter, accelerator) -> TrainData:
+def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
     """Discover samples, build the bucket sampler, and fill the latent and text caches (main process first)."""
     training_backends = [b for b in backends.datasets if b.dataset_type == "image"]
     datasets = [discover(b, config, adapter.resolution_multiple) for b in training_backends]
@@ -140,6 +141,9 @@ def prepare_data(config, backends, adapter, accelerator) -> TrainData:
         )
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
                                            show_progress=show)
+        if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
+            eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
+            latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
     adapter.unload_encoders()  # training reads the caches only
     return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
 
@@ -270,6 +274,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     if config.seed is not None:
         set_seed(config.seed)
     generator = torch.Generator().manual_seed((config.seed or 0) + accelerator.process_index)
+    log.info("process %d of %d on %s", accelerator.process_index, accelerator.num_processes, accelerator.device)
     if accelerator.is_main_process:
         reporter.status("running")
 
@@ -277,7 +282,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     adapter = create_adapter(config, device=accelerator.device,
                              weight_dtype=weight_dtype_for(config, accelerator.device))
     preflight(config, adapter)
-    data = prepare_data(config, backends, adapter, accelerator)
+    evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
+    data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
@@ -309,6 +315,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     loss_log = output_dir / "training_log.jsonl"
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
+    evaluator.on_start(transformer, global_step)
     bar = tqdm(total=max_steps, initial=global_step, desc="Training", disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), global_step
     accumulated = 0.0
@@ -347,12 +354,14 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                     with loss_log.open("a") as fh:
                         fh.write(json.dumps({"step": global_step, "loss": step_loss, "lr": lr, "epoch": epoch}) + "\n")
                     reporter.progress(global_step, max_steps, step_loss, lr, it_s, eta, epoch=epoch)
+                evaluator.on_step(global_step, transformer, loss=step_loss, lr=lr)
                 if config.checkpointing_steps and global_step % config.checkpointing_steps == 0:
                     _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
                                 global_step, epoch, batch_in_epoch)
             if batch_in_epoch >= len(mine):
                 epoch, batch_in_epoch = epoch + 1, 0
     bar.close()
+    evaluator.on_end(global_step, transformer)
 
     # ---- save ----
     accelerator.wait_for_everyone()

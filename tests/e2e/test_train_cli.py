@@ -273,3 +273,13 @@ def test_tread_route_past_the_model_depth_is_refused(tmp_path, sample_dataset):
     assert proc.returncode == 1
     assert "end_layer_idx" in proc.stderr and "40" in proc.stderr
     assert not output.exists() and not (tmp_path / "cache").exists()  # refused before caching anything
+
+
+def test_two_processes_train_as_two_ranks(tmp_path, sample_dataset):
+    config, output = write_run(tmp_path, sample_dataset, max_train_steps=4, lr_warmup_steps=0,
+                               checkpointing_steps=2)
+    proc = simpletuner("train", "--config", str(config), "--num_processes", "2")
+    assert "process 0 of 2" in proc.stderr and "process 1 of 2" in proc.stderr
+    assert sorted(losses(output)) == [1, 2, 3, 4]
+    assert (output / "checkpoint-4" / "trainable.safetensors").is_file()
+    assert (output / "pytorch_lora_weights.safetensors").is_file()
