@@ -56,7 +56,14 @@ class TreadRoute:
     end_layer_idx: int
 
 
+_ROUTE_FIELDS = ("selection_ratio", "start_layer_idx", "end_layer_idx")
+
+
 def _route_value(route: Any, i: int, name: str) -> Any:
+    if isinstance(route, tuple) and not hasattr(route, name):  # (selection_ratio, start, end)
+        if len(route) != 3:
+            raise ValueError(f"{FIELD}[{i}]: expected (selection_ratio, start_layer_idx, end_layer_idx)")
+        return route[_ROUTE_FIELDS.index(name)]
     if isinstance(route, Mapping):
         if name not in route:
             raise ValueError(f"{FIELD}[{i}].{name}: missing")
@@ -67,8 +74,8 @@ def _route_value(route: Any, i: int, name: str) -> Any:
 
 
 def resolve_routes(routes: Sequence[Any] | None, num_layers: int) -> list[TreadRoute]:
-    """Validate routes (dicts or objects with selection_ratio/start_layer_idx/end_layer_idx) against a model with
-    `num_layers` blocks; resolve negative indices (-1 = last block). Raises ValueError naming the field."""
+    """Validate routes (dicts, objects with selection_ratio/start_layer_idx/end_layer_idx attributes such as the
+    config's TreadRoute, or (selection_ratio, start, end) tuples) against a model with `num_layers` blocks; resolve negative indices (-1 = last block). Raises ValueError naming the field."""
     if not routes:
         raise ValueError(f"{FIELD}: TREAD training requires you to configure the routes")
     if num_layers < 1:

@@ -172,6 +172,7 @@ def test_negative_indices_resolve_against_total_blocks():
                                                  "end_layer_idx": -1}], 6)
     assert [(r.start_layer_idx, r.end_layer_idx) for r in routes] == [(2, 4), (5, 5)]
     assert resolve_routes([route(0.5, -6, 0)], 6)[0].start_layer_idx == 0
+    assert resolve_routes([(0.5, -3, -1)], 6) == resolve_routes([route(0.5, 3, 5)], 6)
     t = tiny_flux()
     handle = apply_tread(t, [route(0.5, -4, -3)], layout(t))
     assert sorted(handle.hooks) == ["tread.route0.block2.post", "tread.route0.block2.pre",
@@ -267,3 +268,13 @@ def test_router_selection_properties():
     assert (merged[:, [1, 4]] == 0).all() and torch.equal(merged[:, [0, 2, 3, 5]], full[:, [0, 2, 3, 5]])
     with pytest.raises(ValueError, match="force_keep: mask shape"):
         router.select(tokens, 0.5, force_keep=torch.ones(7, dtype=torch.bool))
+
+
+def test_accepts_the_config_layers_routes():
+    config = pytest.importorskip("simpletuner.config")
+    tread_config = config.TreadConfig.model_validate({"routes": [route(0.5, 2, -2)]})
+    t = tiny_flux()
+    handle = apply_tread(t, tread_config.routes, layout(t))
+    assert [(r.start_layer_idx, r.end_layer_idx) for r in handle.routes] == [(2, 4)]
+    resolved = config.resolve_tread_routes(tread_config, 6)
+    assert resolve_routes(resolved, 6) == handle.routes
