@@ -40,7 +40,9 @@ def _loc_to_path(loc) -> str:
 
 def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """Build the server: database (tables created if missing), token, job manager, routes."""
-    from .routes import configs, datasets, events, jobs, system
+    from fastapi.staticfiles import StaticFiles
+
+    from .routes import configs, datasets, events, jobs, schema, system, ui
 
     settings = settings or ServerSettings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +91,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(configs.router, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
     app.include_router(datasets.router, dependencies=auth)
+    app.include_router(schema.router, dependencies=auth)
+    app.include_router(ui.router)  # the web UI's pages (before "/" below, which it serves)
+    app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

@@ -1,0 +1,78 @@
+"""The web UI's pages. Each page is an HTML shell rendered with autoescaping Jinja2; its script loads the data
+from the REST API (so the shells hold nothing a token would protect) and follows the SSE streams."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Path as PathParam, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
+
+from simpletuner import __version__
+
+from ..schemas import MAX_ID, NAME_PATTERN
+
+HERE = Path(__file__).resolve().parent.parent
+TEMPLATES = HERE / "templates"
+STATIC = HERE / "static"
+
+router = APIRouter(include_in_schema=False)
+_env = None
+
+
+def _templates():
+    global _env
+    if _env is None:
+        import jinja2
+
+        _env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                                  trim_blocks=True, lstrip_blocks=True)
+    return _env
+
+
+def render(request: Request, template: str, title: str, **context) -> HTMLResponse:
+    html = _templates().get_template(template).render(request=request, title=title, version=__version__,
+                                                      **context)
+    return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/")
+def home() -> RedirectResponse:
+    return RedirectResponse("/queue")
+
+
+@router.get("/favicon.ico")
+def favicon() -> FileResponse:
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
+
+@router.get("/queue", response_class=HTMLResponse)
+def queue_page(request: Request) -> HTMLResponse:
+    return render(request, "queue.html", "Queue", page="queue")
+
+
+@router.get("/configs", response_class=HTMLResponse)
+def configs_page(request: Request) -> HTMLResponse:
+    return render(request, "configs.html", "Configs", page="configs")
+
+
+@router.get("/configs/new", response_class=HTMLResponse)
+def new_config_page(request: Request) -> HTMLResponse:
+    return render(request, "config_edit.html", "New config", page="configs", config_name="")
+
+
+@router.get("/configs/{name}", response_class=HTMLResponse)
+def edit_config_page(request: Request,
+                     name: Annotated[str, PathParam(pattern=NAME_PATTERN, max_length=200)]) -> HTMLResponse:
+    return render(request, "config_edit.html", f"Config {name}", page="configs", config_name=name)
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(request: Request, job_id: Annotated[int, PathParam(ge=1, le=MAX_ID)]) -> HTMLResponse:
+    return render(request, "job.html", f"Job {job_id}", page="queue", job_id=job_id)
+
+
+@router.get("/system", response_class=HTMLResponse)
+def system_page(request: Request) -> HTMLResponse:
+    return render(request, "system.html", "Hardware", page="system")

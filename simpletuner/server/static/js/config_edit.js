@@ -1,0 +1,404 @@
+// The config editor: a form generated from TrainConfig's schema, the data backend editor with its folder
+// browser, the hardware choice, a raw JSON view, and server validation errors shown at their inputs.
+
+import { ApiError, api, el, gpuPreference, processesFor, toast } from "./api.js";
+import { clearErrors, field, inputOf, showErrors } from "./form.js";
+import { gpuChooser } from "./hardware.js";
+
+const OPEN_GROUPS = new Set(["model", "training", "lora", "validation"]);
+const form = document.getElementById("config-form");
+const nameInput = document.getElementById("config-name");
+const descInput = document.getElementById("config-description");
+const commentInput = document.getElementById("config-comment");
+const raw = document.getElementById("raw-json");
+const rawErr = document.getElementById("raw-err");
+
+const state = {
+  name: document.body.dataset.configName || "",
+  exists: Boolean(document.body.dataset.configName),
+  train: {}, // schema keys, plain spelling
+  extra: {}, // keys the schema does not know (kept as they are)
+  backends: [],
+  library: null,
+  schema: null,
+  backendSchemas: null,
+  system: null,
+  rawDirty: false,
+};
+
+// ---- model <-> JSON ------------------------------------------------------------------------------------
+function canon(key) {
+  return key.startsWith("--") ? key.slice(2).replace(/-/g, "_") : key;
+}
+
+function load(trainConfig, backends, library) {
+  const props = state.schema.schema.properties;
+  state.train = {};
+  state.extra = {};
+  for (const [key, value] of Object.entries(trainConfig || {})) {
+    const k = canon(key);
+    if (k in props) {
+      let v = value;
+      if (k === "tread_config" && typeof v === "string" && v.trim().startsWith("{")) {
+        try { v = JSON.parse(v); } catch { /* left as text; the server reports it */ }
+      }
+      state.train[k] = v;
+    } else state.extra[key] = value;
+  }
+  state.backends = Array.isArray(backends) ? backends.map((b) => ({ ...b })) : [];
+  state.library = library || null;
+}
+
+function trainConfig() {
+  return { ...state.extra, ...state.train };
+}
+
+function body() {
+  return { train_config: trainConfig(), data_backends: state.backends, prompt_library: state.library };
+}
+
+function changed() {
+  if (!state.rawDirty && document.activeElement !== raw) raw.value = JSON.stringify(body(), null, 2);
+}
+
+// ---- the schema form -----------------------------------------------------------------------------------
+function renderSchemaSections() {
+  const { schema, groups } = state.schema;
+  const defs = schema.$defs || {};
+  const host = document.getElementById("schema-sections");
+  host.replaceChildren();
+  for (const group of groups) {
+    const entries = Object.entries(schema.properties).filter(([, p]) => p.group === group.id && !p.readOnly);
+    if (!entries.length) continue;
+    const grid = el("div", { class: "fields" });
+    for (const [key, prop] of entries) {
+      grid.append(field(key, prop, defs, `train_config.${key}`,
+        () => state.train[key],
+        (v) => { if (v === undefined) delete state.train[key]; else state.train[key] = v; changed(); },
+        { browse }));
+    }
+    const details = el("details", { class: "section", id: `sec-${group.id}`, open: OPEN_GROUPS.has(group.id), "data-group": group.id },
+      el("summary", {}, group.label, el("span", { class: "badge-err", hidden: true })),
+      el("div", { class: "section-body" }, grid));
+    if (group.id === "data") {
+      details.querySelector(".section-body").prepend(el("p", { class: "help" },
+        "Datasets listed below are used as they are; data_backend_config only matters when the list is empty."));
+    }
+    host.append(details);
+  }
+  const toc = document.getElementById("toc");
+  toc.replaceChildren(el("a", { href: "#sec-meta" }, "Config"),
+    ...groups.filter((g) => document.getElementById(`sec-${g.id}`))
+      .map((g) => el("a", { href: `#sec-${g.id}`, "data-group": g.id }, g.label)),
+    el("a", { href: "#sec-datasets", "data-group": "datasets" }, "Datasets"),
+    el("a", { href: "#sec-hardware" }, "Hardware"),
+    el("a", { href: "#sec-raw" }, "Raw JSON"));
+  for (const link of toc.querySelectorAll("a")) {
+    link.addEventListener("click", () => { const target = document.querySelector(link.getAttribute("href")); if (target.tagName === "DETAILS") target.open = true; });
+  }
+}
+
+// ---- data backends -------------------------------------------------------------------------------------
+function isTextEmbeds(b) {
+  return b.dataset_type === "text_embeds";
+}
+
+function backendLabel(b, i) {
+  return b.id ? String(b.id) : String(i);
+}
+
+function renderBackends() {
+  const host = document.getElementById("backends");
+  host.replaceChildren();
+  state.backends.forEach((backend, i) => {
+    const te = isTextEmbeds(backend);
+    const schema = te ? state.backendSchemas.text_embeds : state.backendSchemas.dataset;
+    const defs = schema.$defs || {};
+    const title = el("h3", {}, `${te ? "Text embeds" : "Dataset"} ${backend.id || `#${i + 1}`}`);
+    const card = el("div", { class: `backend-card${te ? " text-embeds" : ""}`, "data-index": String(i) });
+    const remove = el("button", { type: "button", class: "small danger", "aria-label": `Remove ${te ? "text embeds" : "dataset"} ${backend.id || i + 1}` }, "Remove");
+    remove.addEventListener("click", () => { state.backends.splice(i, 1); renderBackends(); changed(); });
+    card.append(el("header", {}, title, remove));
+    const grid = el("div", { class: "fields" });
+    const scan = el("p", { class: "scan", "aria-live": "polite" });
+    for (const [key, prop] of Object.entries(schema.properties)) {
+      const f = field(key, prop, defs, `data_backends[${backendLabel(backend, i)}].${key}`,
+        () => backend[key],
+        (v) => {
+          if (v === undefined) delete backend[key]; else backend[key] = v;
+          if (key === "id") { title.textContent = `${te ? "Text embeds" : "Dataset"} ${v || `#${i + 1}`}`; relabel(card, backend, i); }
+          if (key === "instance_data_dir") scanLater(scan, v);
+          changed();
+        }, { browse });
+      f.dataset.altPath = `data_backends[${i}].${key}`;
+      grid.append(f);
+    }
+    card.append(grid);
+    if (!te) { card.append(scan); if (backend.instance_data_dir) scanLater(scan, backend.instance_data_dir); }
+    host.append(card);
+  });
+  if (!state.backends.length) host.append(el("p", { class: "muted" }, "No datasets yet."));
+}
+
+function relabel(card, backend, i) {
+  for (const f of card.querySelectorAll(":scope .fields > [data-key]")) {
+    f.dataset.path = `data_backends[${backendLabel(backend, i)}].${f.dataset.key}`;
+  }
+}
+
+let scanTimer = null;
+function scanLater(target, path) {
+  clearTimeout(scanTimer);
+  if (!path) { target.textContent = ""; return; }
+  scanTimer = setTimeout(async () => {
+    try {
+      const r = await api(`/api/datasets/scan?path=${encodeURIComponent(path)}`);
+      target.textContent = r.exists
+        ? `${r.images} image${r.images === 1 ? "" : "s"}, ${r.videos} video${r.videos === 1 ? "" : "s"}, ${r.images_with_captions} with a caption file`
+        : "folder not found";
+    } catch (e) {
+      target.textContent = e.errors.length ? e.errors[0].message : e.message;
+    }
+  }, 400);
+}
+
+function addBackend(textEmbeds) {
+  if (textEmbeds) {
+    state.backends.push({ id: "text-embeds", dataset_type: "text_embeds", type: "local", default: true, cache_dir: "cache/text" });
+  } else {
+    const n = state.backends.filter((b) => !isTextEmbeds(b)).length + 1;
+    state.backends.push({ id: n === 1 ? "my-dataset" : `my-dataset-${n}`, type: "local", instance_data_dir: "" });
+  }
+  renderBackends();
+  changed();
+  const cards = document.querySelectorAll("#backends .backend-card");
+  const last = cards[textEmbeds ? cards.length - 1 : cards.length - 1];
+  last?.querySelector("input")?.focus();
+}
+
+// ---- folder browser --------------------------------------------------------------------------------------
+const browser = {
+  dialog: document.getElementById("browse-dialog"),
+  path: null,
+  input: null,
+};
+
+async function browseTo(path) {
+  const list = document.getElementById("browse-list");
+  const errBox = document.getElementById("browse-error");
+  errBox.hidden = true;
+  try {
+    const r = await api(`/api/datasets/browse${path ? `?path=${encodeURIComponent(path)}` : ""}`);
+    browser.path = r.path;
+    document.getElementById("browse-path").textContent = r.path;
+    list.replaceChildren();
+    if (r.parent) {
+      list.append(el("button", { type: "button", onclick: () => browseTo(r.parent) }, el("span", {}, "⬑ .. (up)"), ""));
+    }
+    for (const entry of r.entries) {
+      list.append(el("button", { type: "button", "data-path": entry.path, onclick: () => browseTo(entry.path) },
+        el("span", {}, `📁 ${entry.name}`), el("span", { class: "muted small" }, entry.images ? `${entry.images} images` : "")));
+    }
+    if (!r.entries.length) list.append(el("p", { class: "muted small", style: "padding:8px" }, "no sub-folders"));
+    list.querySelector("button")?.focus();
+  } catch (e) {
+    errBox.textContent = e.errors.length ? e.errors[0].message : e.message;
+    errBox.hidden = false;
+  }
+}
+
+function browse(key, input) {
+  browser.input = input;
+  const roots = document.getElementById("browse-roots");
+  roots.replaceChildren(el("span", { class: "muted small" }, "Roots:"),
+    ...(state.system?.allowed_roots || []).map((root) => el("button", { type: "button", class: "small", onclick: () => browseTo(root) }, root)));
+  browser.dialog.showModal();
+  browseTo(input.value.trim() || null);
+}
+
+document.getElementById("browse-choose").addEventListener("click", () => {
+  if (browser.input && browser.path) {
+    browser.input.value = browser.path;
+    browser.input.dispatchEvent(new Event("input", { bubbles: true }));
+  }
+  browser.dialog.close();
+  browser.input?.focus();
+});
+document.getElementById("browse-cancel").addEventListener("click", () => { browser.dialog.close(); browser.input?.focus(); });
+
+// ---- errors ------------------------------------------------------------------------------------------
+function reportErrors(errors) {
+  const summary = document.getElementById("error-summary");
+  const list = document.getElementById("error-list");
+  document.getElementById("ok-summary").hidden = true;
+  const placed = showErrors(form, errors);
+  // per-section badges and the table of contents
+  const counts = {};
+  for (const p of placed) {
+    const section = p.node?.closest("details.section, section.card");
+    if (section) counts[section.id] = (counts[section.id] || 0) + 1;
+  }
+  for (const details of document.querySelectorAll("details.section")) {
+    const badge = details.querySelector(":scope > summary .badge-err");
+    if (badge) { badge.hidden = !counts[details.id]; badge.textContent = String(counts[details.id] || ""); }
+  }
+  for (const link of document.querySelectorAll("#toc a")) link.classList.toggle("bad", Boolean(counts[link.getAttribute("href").slice(1)]));
+  list.replaceChildren(...placed.map((p) => el("li", {},
+    el("button", { type: "button", onclick: () => focusNode(p.node) }, `${p.path}: ${p.message}`))));
+  document.getElementById("error-title").textContent = `${placed.length} problem${placed.length === 1 ? "" : "s"} to fix`;
+  summary.hidden = !placed.length;
+  const first = placed.find((p) => p.node);
+  if (first) focusNode(first.node); else summary.focus();
+}
+
+function focusNode(node) {
+  if (!node) return;
+  let details = node.closest("details");
+  while (details) { details.open = true; details = details.parentElement.closest("details"); }
+  const input = inputOf(node);
+  node.scrollIntoView({ block: "center" });
+  input?.focus({ preventScroll: true });
+}
+
+function clearAll() {
+  clearErrors(form);
+  document.getElementById("error-summary").hidden = true;
+  for (const badge of document.querySelectorAll(".badge-err")) badge.hidden = true;
+  for (const link of document.querySelectorAll("#toc a")) link.classList.remove("bad");
+}
+
+function showOk(text, warnings = []) {
+  const box = document.getElementById("ok-summary");
+  box.replaceChildren(el("strong", {}, text));
+  if (warnings.length) box.append(el("ul", { class: "warn-list" }, warnings.map((w) => el("li", {}, w))));
+  box.hidden = false;
+}
+
+function failed(e) {
+  if (e instanceof ApiError && e.status === 422 && e.errors.length) reportErrors(e.errors);
+  else if (e instanceof ApiError && e.status === 409) reportErrors([{ path: "name", message: e.message }]);
+  else { toast(e.message, { error: true }); }
+}
+
+// ---- actions -------------------------------------------------------------------------------------------
+async function validate() {
+  clearAll();
+  try {
+    const r = await api("/api/configs/validate", { method: "POST", body: body() });
+    if (r.valid) showOk("The config is valid.", r.warnings);
+    else reportErrors(r.errors);
+  } catch (e) { failed(e); }
+}
+
+async function save() {
+  clearAll();
+  const name = nameInput.value.trim();
+  if (!name) { reportErrors([{ path: "name", message: "give the config a name" }]); return null; }
+  const payload = { ...body(), description: descInput.value, comment: commentInput.value };
+  try {
+    let saved;
+    if (state.exists) saved = await api(`/api/configs/${encodeURIComponent(state.name)}`, { method: "PUT", body: payload });
+    else saved = await api("/api/configs", { method: "POST", body: { ...payload, name } });
+    state.name = saved.name;
+    if (!state.exists) {
+      state.exists = true;
+      nameInput.readOnly = true;
+      history.replaceState(null, "", `/configs/${encodeURIComponent(saved.name)}`);
+      document.getElementById("page-title").textContent = `Config ${saved.name}`;
+      document.title = `Config ${saved.name} · SimpleTuner`;
+    }
+    commentInput.value = "";
+    showOk(`Saved ${saved.name}, version ${saved.current_version}.`, saved.warnings);
+    return saved;
+  } catch (e) {
+    failed(e);
+    return null;
+  }
+}
+
+async function saveAndQueue() {
+  const saved = await save();
+  if (!saved) return;
+  try {
+    const accelerators = state.system?.accelerators || [];
+    const job = await api("/api/jobs", { method: "POST", body: {
+      config_name: saved.name, num_processes: processesFor(gpuPreference(), accelerators) } });
+    location.href = `/jobs/${job.id}`;
+  } catch (e) { failed(e); }
+}
+
+function download(name, value) {
+  const url = URL.createObjectURL(new Blob([JSON.stringify(value, null, 2) + "\n"], { type: "application/json" }));
+  const a = el("a", { href: url, download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+function applyRaw() {
+  rawErr.hidden = true;
+  let parsed;
+  try { parsed = JSON.parse(raw.value); } catch (e) {
+    rawErr.textContent = `not valid JSON: ${e.message}`;
+    rawErr.hidden = false;
+    return;
+  }
+  if (!parsed || typeof parsed !== "object" || Array.isArray(parsed)) {
+    rawErr.textContent = "expected an object";
+    rawErr.hidden = false;
+    return;
+  }
+  if ("train_config" in parsed) load(parsed.train_config, parsed.data_backends || [], parsed.prompt_library || null);
+  else load(parsed, state.backends, state.library);
+  state.rawDirty = false;
+  renderSchemaSections();
+  renderBackends();
+  changed();
+  toast("Applied the JSON to the form.");
+}
+
+form.addEventListener("submit", (e) => { e.preventDefault(); save(); });
+document.getElementById("validate-button").addEventListener("click", validate);
+document.getElementById("queue-button").addEventListener("click", saveAndQueue);
+document.getElementById("add-dataset").addEventListener("click", () => addBackend(false));
+document.getElementById("add-text-embeds").addEventListener("click", () => addBackend(true));
+document.getElementById("raw-apply").addEventListener("click", applyRaw);
+raw.addEventListener("input", () => { state.rawDirty = true; });
+document.getElementById("download-config").addEventListener("click", () => download("config.json", trainConfig()));
+document.getElementById("download-backends").addEventListener("click", () => download("multidatabackend.json", state.backends));
+
+// ---- start -------------------------------------------------------------------------------------------
+async function start() {
+  try {
+    const [schema, backendSchemas, system] = await Promise.all([
+      api("/api/schema/train-config"), api("/api/schema/data-backends"), api("/api/system")]);
+    state.schema = schema;
+    state.backendSchemas = backendSchemas;
+    state.system = system;
+    const from = new URLSearchParams(location.search).get("from");
+    if (state.exists || from) {
+      const cfg = await api(`/api/configs/${encodeURIComponent(state.exists ? state.name : from)}`);
+      load(cfg.latest.train_config, cfg.latest.data_backends, cfg.latest.prompt_library);
+      descInput.value = cfg.description || "";
+      if (!state.exists) { nameInput.value = `${cfg.name}-copy`; commentInput.value = `copied from ${cfg.name} v${cfg.current_version}`; }
+      else document.getElementById("page-title").textContent = `Config ${cfg.name} (version ${cfg.current_version})`;
+    } else {
+      load({}, [{ id: "my-dataset", type: "local", instance_data_dir: "" },
+        { id: "text-embeds", dataset_type: "text_embeds", type: "local", default: true, cache_dir: "cache/text" }], null);
+    }
+    renderSchemaSections();
+    renderBackends();
+    const hw = document.getElementById("hardware-body");
+    hw.replaceChildren(el("p", { class: "help" }, `The server has ${system.accelerators.length || "no"} accelerator${system.accelerators.length === 1 ? "" : "s"} and ${system.max_concurrent} job slot${system.max_concurrent === 1 ? "" : "s"}. "Save and queue" uses this choice.`),
+      gpuChooser(system.accelerators));
+    changed();
+    document.getElementById("loading").hidden = true;
+    form.hidden = false;
+    document.body.dataset.ready = "true";
+  } catch (e) {
+    document.getElementById("loading").textContent = `Could not load: ${e.message}`;
+  }
+}
+
+start();

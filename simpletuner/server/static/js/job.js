@@ -1,0 +1,337 @@
+// The live job view: replays the job's events from the start over SSE (EventSource resumes after a dropped
+// connection with Last-Event-ID), drawing progress, charts, images, checkpoints and the activity list.
+
+import {
+  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast, withToken,
+} from "./api.js";
+import { LineChart } from "./chart.js";
+
+const jobId = Number(document.body.dataset.jobId);
+const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
+const METRIC_NAMES = { clip_score: "CLIP score", eval_loss: "Eval loss" };
+const COLORS = ["#3b5bdb", "#e8590c", "#2b8a3e", "#ae3ec9", "#1098ad", "#c92a2a"];
+
+const bar = progressBar(true);
+document.getElementById("progress-bar-host").append(bar, el("div", { class: "progress-label", id: "progress-label" }, "waiting to start"));
+const lossChart = new LineChart(document.getElementById("loss-chart"), {
+  title: "training loss and learning rate per step",
+  series: [{ name: "loss", color: COLORS[0] }, { name: "learning rate", color: COLORS[1], axis: "right" }],
+});
+const scoreCharts = new Map();
+const gallerySteps = new Map(); // step -> grid element
+const previews = new Map(); // prompt key -> figure
+const prompts = new Set();
+const checkpoints = new Map(); // path -> {step, path}
+
+let job = null;
+let lastId = 0;
+let count = 0;
+let logOffset = null;
+let logTimer = null;
+let detailTimer = null;
+let filesTimer = null;
+
+// ---- job record ----------------------------------------------------------------------------------------
+async function loadJob() {
+  try {
+    job = await api(`/api/jobs/${jobId}`);
+  } catch (e) {
+    document.getElementById("job-title").textContent = `Job ${jobId}`;
+    document.getElementById("job-sub").textContent = e.status === 404 ? "This job does not exist (it may have been removed)." : `Could not load: ${e.message}`;
+    return false;
+  }
+  renderJob();
+  return true;
+}
+
+function renderJob() {
+  const name = job.name || job.config_name || "";
+  document.getElementById("job-title").textContent = `Job ${job.id}${name ? ` · ${name}` : ""}`;
+  document.title = `Job ${job.id} · SimpleTuner`;
+  const sub = [];
+  if (job.config_name) sub.push(`config ${job.config_name} v${job.config_version}`);
+  sub.push(`submitted ${fmtTime(job.submitted_at)}`);
+  if (job.started_at) sub.push(`started ${fmtTime(job.started_at)}`);
+  if (job.finished_at) sub.push(`finished ${fmtTime(job.finished_at)}`);
+  document.getElementById("job-sub").textContent = sub.join(" · ");
+  document.getElementById("job-status").replaceChildren(statusBadge(job.status));
+  document.body.dataset.status = job.status;
+  const cancel = document.getElementById("cancel-button");
+  cancel.hidden = FINISHED.has(job.status);
+  cancel.disabled = job.cancel_requested;
+  cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel";
+  document.getElementById("retry-button").hidden = !FINISHED.has(job.status);
+  if (job.progress) applyProgress(job.progress);
+  if (job.status === "succeeded") {
+    setProgress(bar, 1, 1);
+    document.getElementById("stat-eta").textContent = "done";
+  }
+  const results = job.results || {};
+  const facts = [
+    ["Status", job.status + (job.reason ? ` (${job.reason})` : "")], ["Attempt", String(job.attempt)],
+    ["Priority", String(job.priority)], ["Processes", String(job.num_processes)], ["Devices", job.devices || "CPU"],
+    ["Run dir", job.run_dir || "–"], ["Exit code", job.exit_code ?? "–"],
+  ];
+  if (results.final_loss !== undefined) facts.push(["Final loss", fmtNum(results.final_loss)]);
+  if (results.lora_path) facts.push(["LoRA", results.lora_path]);
+  document.getElementById("details").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))]));
+  document.getElementById("frozen").textContent = JSON.stringify({ train_config: job.train_config, data_backends: job.data_backends, prompt_library: job.prompt_library }, null, 2);
+  const errorBox = document.getElementById("error-box");
+  if (job.status === "failed" || job.error) {
+    errorBox.replaceChildren(el("strong", {}, job.error || job.reason || "failed"));
+    if (job.log_tail) errorBox.append(el("details", {}, el("summary", {}, "last log lines"), el("pre", {}, job.log_tail)));
+    errorBox.hidden = false;
+  }
+  document.getElementById("log-download").href = withToken(`/api/jobs/${job.id}/files/train.log`);
+}
+
+function refreshJobSoon(ms = 300) {
+  clearTimeout(detailTimer);
+  detailTimer = setTimeout(async () => { await loadJob(); if (job && FINISHED.has(job.status)) { pollLog(); loadFiles(); } }, ms);
+}
+
+// ---- events ------------------------------------------------------------------------------------------
+function applyProgress(p) {
+  setProgress(bar, p.step || 0, p.total_steps || 0);
+  document.getElementById("progress-label").textContent = p.total_steps ? `step ${p.step} of ${p.total_steps}` : "";
+  document.getElementById("stat-step").textContent = p.total_steps ? `${p.step} / ${p.total_steps}` : "–";
+  document.getElementById("stat-loss").textContent = fmtNum(p.loss);
+  document.getElementById("stat-lr").textContent = fmtNum(p.lr, 3);
+  document.getElementById("stat-its").textContent = fmtNum(p.it_per_s, 3);
+  document.getElementById("stat-eta").textContent = fmtDuration(p.eta_s);
+  document.getElementById("stat-epoch").textContent = p.epoch ?? "–";
+}
+
+function activity(ev, text) {
+  const list = document.getElementById("activity");
+  list.prepend(el("li", { "data-type": ev.type }, el("span", {}, text), el("span", { class: "muted small" }, fmtTime(ev.time))));
+  while (list.children.length > 200) list.lastChild.remove();
+}
+
+function promptKey(d) {
+  return d.nickname || d.prompt || "(no prompt)";
+}
+
+function imageFigure(d, caption) {
+  const figure = el("figure", { "data-step": d.step, "data-prompt": promptKey(d) });
+  if (d.image_url) {
+    const src = withToken(d.image_url);
+    figure.append(el("a", { href: src, target: "_blank", rel: "noopener", "aria-label": `open ${caption} full size` },
+      el("img", { src, alt: `${d.kind || "validation"} image, ${caption}`, loading: "lazy" })));
+  } else {
+    figure.append(el("div", { class: "muted small", style: "padding:20px 6px" }, d.image_error || "image not stored"));
+  }
+  figure.append(el("figcaption", {}, caption));
+  return figure;
+}
+
+function addValidationImage(d) {
+  document.getElementById("no-images")?.remove();
+  const key = promptKey(d);
+  if (!prompts.has(key)) {
+    prompts.add(key);
+    document.getElementById("gallery-prompt").append(el("option", { value: key }, key.length > 60 ? `${key.slice(0, 57)}…` : key));
+  }
+  const step = Number(d.step) || 0;
+  let grid = gallerySteps.get(step);
+  if (!grid) {
+    grid = el("div", { class: "gallery" });
+    const section = el("section", { class: "gallery-step", "data-step": step }, el("h3", {}, `Step ${step}`), grid);
+    // newest step first
+    const host = document.getElementById("gallery");
+    const later = [...host.querySelectorAll(":scope > .gallery-step")].find((s) => Number(s.dataset.step) < step);
+    host.insertBefore(section, later || null);
+    gallerySteps.set(step, grid);
+  }
+  const res = Array.isArray(d.resolution) ? ` · ${d.resolution.join("×")}` : "";
+  const figure = imageFigure(d, `${key}${res}`);
+  figure.classList.add("validation-image");
+  grid.append(figure);
+  applyPromptFilter();
+}
+
+function addPreview(d) {
+  document.getElementById("previews-wrap").hidden = false;
+  const key = promptKey(d);
+  const caption = `${key} · step ${d.step}${d.inference_step !== undefined && d.inference_step !== null ? ` · denoising step ${d.inference_step}` : ""}`;
+  const figure = imageFigure(d, caption);
+  figure.classList.add("preview-image");
+  const old = previews.get(key);
+  if (old) old.replaceWith(figure); else document.getElementById("previews").append(figure);
+  previews.set(key, figure);
+}
+
+function applyPromptFilter() {
+  const wanted = document.getElementById("gallery-prompt").value;
+  for (const fig of document.querySelectorAll("#gallery figure")) fig.hidden = Boolean(wanted) && fig.dataset.prompt !== wanted;
+}
+
+function addScores(d) {
+  document.getElementById("no-scores")?.remove();
+  for (const [name, value] of Object.entries(d.metrics || {})) {
+    let chart = scoreCharts.get(name);
+    if (!chart) {
+      const box = el("div", { "data-metric": name });
+      const label = METRIC_NAMES[name] || name;
+      document.getElementById("score-charts").append(el("h3", {}, label), box);
+      chart = new LineChart(box, { title: `${label} per step`, series: [{ name: label, color: COLORS[(scoreCharts.size + 2) % COLORS.length] }] });
+      scoreCharts.set(name, chart);
+    }
+    chart.add(0, d.step, value);
+  }
+}
+
+function addCheckpoint(d) {
+  checkpoints.set(d.path, d);
+  renderCheckpoints();
+  loadFilesSoon();
+}
+
+function onEvent(ev) {
+  if (ev.id <= lastId) return; // already shown (a replay after reconnecting)
+  lastId = ev.id;
+  count += 1;
+  const counter = document.getElementById("event-count");
+  counter.dataset.count = String(count);
+  counter.dataset.lastId = String(lastId);
+  counter.textContent = `${count} event${count === 1 ? "" : "s"}`;
+  const d = ev.data || {};
+  switch (ev.type) {
+    case "progress":
+      applyProgress(d);
+      lossChart.add(0, d.step, d.loss);
+      lossChart.add(1, d.step, d.lr);
+      break;
+    case "image":
+      if (d.kind === "preview") addPreview(d);
+      else { addValidationImage(d); activity(ev, `validation image at step ${d.step}: ${promptKey(d)}`); }
+      break;
+    case "scores":
+      addScores(d);
+      activity(ev, `scores at step ${d.step}: ${Object.entries(d.metrics || {}).map(([k, v]) => `${k} ${fmtNum(v)}`).join(", ")}`);
+      break;
+    case "checkpoint":
+      addCheckpoint(d);
+      activity(ev, `checkpoint at step ${d.step}`);
+      break;
+    case "status":
+      activity(ev, `trainer: ${d.status}${d.reason ? ` (${d.reason})` : ""}`);
+      break;
+    case "error": {
+      activity(ev, `error: ${d.message}`);
+      const box = document.getElementById("error-box");
+      box.replaceChildren(el("strong", {}, d.message || "error"));
+      if (d.traceback) box.append(el("details", {}, el("summary", {}, "traceback"), el("pre", {}, d.traceback)));
+      box.hidden = false;
+      break;
+    }
+    case "log":
+      activity(ev, `${d.level || "info"}: ${d.message}`);
+      break;
+    case "job":
+      activity(ev, `job ${d.status}${d.cancel_requested ? " (cancel requested)" : ""}${d.reason ? `: ${d.reason}` : ""}`);
+      if (job && d.status) { job.status = d.status; document.getElementById("job-status").replaceChildren(statusBadge(d.status)); document.body.dataset.status = d.status; }
+      refreshJobSoon();
+      break;
+    default:
+      activity(ev, ev.type);
+  }
+}
+
+// ---- log tail ----------------------------------------------------------------------------------------
+async function pollLog() {
+  clearTimeout(logTimer);
+  const pre = document.getElementById("log");
+  try {
+    const url = logOffset === null ? `/api/jobs/${jobId}/log?tail=300` : `/api/jobs/${jobId}/log?offset=${logOffset}`;
+    const res = await api(url, { raw: true });
+    const text = await res.text();
+    const next = Number(res.headers.get("X-Log-Offset"));
+    if (Number.isFinite(next)) logOffset = next;
+    if (text) {
+      const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 30;
+      // tqdm redraws with carriage returns: keep the last state of each line
+      const clean = text.split("\n").map((line) => line.split("\r").filter(Boolean).pop() || "").join("\n");
+      pre.textContent = (pre.textContent + clean).split("\n").slice(-500).join("\n");
+      if (atBottom) pre.scrollTop = pre.scrollHeight;
+    }
+  } catch { /* retried below */ }
+  if (!job || !FINISHED.has(job.status)) logTimer = setTimeout(pollLog, 2000);
+}
+
+// ---- files: checkpoints and artefacts ----------------------------------------------------------------
+let files = [];
+
+function rel(path) {
+  if (!job?.run_dir || !path) return null;
+  const root = job.run_dir.endsWith("/") ? job.run_dir : `${job.run_dir}/`;
+  return path.startsWith(root) ? path.slice(root.length) : null;
+}
+
+function fileLink(f) {
+  return el("a", { href: withToken(`/api/jobs/${jobId}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`), download: f.path.split("/").pop() }, f.path);
+}
+
+function renderCheckpoints() {
+  const list = document.getElementById("checkpoints");
+  if (!checkpoints.size) return;
+  const items = [...checkpoints.values()].sort((a, b) => b.step - a.step).map((c) => {
+    const r = rel(c.path);
+    const inside = r ? files.filter((f) => f.path.startsWith(`${r}/`)) : [];
+    const body = el("div", {}, el("strong", {}, `step ${c.step}`), " ", el("span", { class: "muted small" }, r || c.path));
+    if (inside.length) body.append(el("ul", { class: "small" }, inside.map((f) => el("li", {}, fileLink(f), ` ${fmtBytes(f.size)}`))));
+    else if (files.length && r) body.append(el("div", { class: "muted small" }, "removed (checkpoints_total_limit)"));
+    return el("li", { "data-step": c.step }, body);
+  });
+  list.replaceChildren(...items);
+}
+
+function renderArtefacts() {
+  const list = document.getElementById("artefacts");
+  const wanted = files.filter((f) => !/(^|\/)checkpoint-[^/]+\//.test(f.path) && !f.path.startsWith("events/") && !f.path.includes("/cache/"));
+  if (!wanted.length) return;
+  list.replaceChildren(...wanted.map((f) => el("li", {}, fileLink(f), el("span", { class: "muted small" }, fmtBytes(f.size)))));
+}
+
+async function loadFiles() {
+  if (!job?.run_dir) return;
+  try { files = await api(`/api/jobs/${jobId}/files`); } catch { return; }
+  renderCheckpoints();
+  renderArtefacts();
+}
+
+function loadFilesSoon() {
+  clearTimeout(filesTimer);
+  filesTimer = setTimeout(loadFiles, 800);
+}
+
+// ---- actions -----------------------------------------------------------------------------------------
+document.getElementById("cancel-button").addEventListener("click", async () => {
+  try { await api(`/api/jobs/${jobId}/cancel`, { method: "POST" }); toast("Cancel requested."); refreshJobSoon(0); } catch (e) { toast(e.message, { error: true }); }
+});
+document.getElementById("retry-button").addEventListener("click", async () => {
+  const body = job.config_name
+    ? { config_name: job.config_name, config_version: job.config_version, name: job.name, priority: job.priority, num_processes: job.num_processes }
+    : { train_config: job.train_config, data_backends: job.data_backends, prompt_library: job.prompt_library, name: job.name, priority: job.priority, num_processes: job.num_processes };
+  try { const created = await api("/api/jobs", { method: "POST", body }); location.href = `/jobs/${created.id}`; } catch (e) { toast(e.message, { error: true }); }
+});
+document.getElementById("gallery-prompt").addEventListener("change", applyPromptFilter);
+
+function liveState(state) {
+  document.getElementById("live-dot").className = `live-dot ${state === "live" ? "on" : state === "retry" ? "retry" : ""}`;
+  document.getElementById("live-text").textContent = state === "live" ? "live" : state === "retry" ? "reconnecting…" : "stream closed";
+}
+
+async function start() {
+  if (!(await loadJob())) return;
+  document.body.dataset.ready = "true";
+  follow(`/api/jobs/${jobId}/stream?until_done=true`, {
+    onEvent,
+    onState: liveState,
+    onEnd: () => { document.body.dataset.streamEnded = "true"; refreshJobSoon(0); },
+  });
+  pollLog();
+  loadFiles();
+}
+
+start();

@@ -1,0 +1,168 @@
+// The queue: submit, filter, cancel, retry; rows follow the all-jobs event stream.
+
+import {
+  api, describeProcesses, el, fmtDuration, fmtNum, fmtTime, follow, gpuPreference, processesFor,
+  progressBar, setProgress, statusBadge, toast,
+} from "./api.js";
+import { showErrors, clearErrors } from "./form.js";
+
+const tbody = document.getElementById("jobs-body");
+const form = document.getElementById("submit-form");
+const select = document.getElementById("submit-config");
+const rows = new Map(); // job id -> {tr, parts}
+let filter = "";
+let accelerators = [];
+let refreshTimer = null;
+
+function progressCells(job) {
+  const p = job.progress || {};
+  const bar = progressBar();
+  setProgress(bar, p.step || 0, p.total_steps || 0);
+  const label = el("div", { class: "progress-label" }, p.total_steps ? `${p.step} / ${p.total_steps}` : (job.status === "queued" && job.queue_position ? `#${job.queue_position} in line` : ""));
+  return { bar, label, loss: el("span", {}, fmtNum(p.loss)), its: el("span", {}, fmtNum(p.it_per_s, 3)), eta: el("span", {}, job.status === "running" ? fmtDuration(p.eta_s) : "–") };
+}
+
+function applyProgress(parts, p) {
+  setProgress(parts.bar, p.step || 0, p.total_steps || 0);
+  parts.label.textContent = p.total_steps ? `${p.step} / ${p.total_steps}` : "";
+  parts.loss.textContent = fmtNum(p.loss);
+  parts.its.textContent = fmtNum(p.it_per_s, 3);
+  parts.eta.textContent = fmtDuration(p.eta_s);
+}
+
+async function act(url, method, done) {
+  try {
+    const r = await api(url, { method });
+    toast(done);
+    scheduleRefresh(0);
+    return r;
+  } catch (e) {
+    toast(e.message, { error: true });
+    return null;
+  }
+}
+
+async function retry(job) {
+  try {
+    const detail = await api(`/api/jobs/${job.id}`);
+    const body = detail.config_name
+      ? { config_name: detail.config_name, config_version: detail.config_version, name: detail.name, priority: detail.priority, num_processes: detail.num_processes }
+      : { train_config: detail.train_config, data_backends: detail.data_backends, prompt_library: detail.prompt_library, name: detail.name, priority: detail.priority, num_processes: detail.num_processes };
+    const created = await api("/api/jobs", { method: "POST", body });
+    toast(`Queued job ${created.id} (a retry of ${job.id}).`, { link: { href: `/jobs/${created.id}`, text: "Open" } });
+    scheduleRefresh(0);
+  } catch (e) {
+    toast(e.errors.length ? `${e.errors[0].path}: ${e.errors[0].message}` : e.message, { error: true, ms: 9000 });
+  }
+}
+
+function row(job) {
+  const parts = progressCells(job);
+  const actions = el("div", { class: "actions" });
+  if (job.status === "queued" || job.status === "running") {
+    actions.append(el("button", { type: "button", class: "small danger", disabled: job.cancel_requested, "aria-label": `Cancel job ${job.id}`,
+      onclick: () => act(`/api/jobs/${job.id}/cancel`, "POST", `Cancelling job ${job.id}.`) }, job.cancel_requested ? "Cancelling…" : "Cancel"));
+  } else {
+    actions.append(el("button", { type: "button", class: "small", "aria-label": `Retry job ${job.id}`, onclick: () => retry(job) }, "Retry"));
+    actions.append(el("button", { type: "button", class: "small ghost", "aria-label": `Remove job ${job.id} from the list`,
+      onclick: () => act(`/api/jobs/${job.id}`, "DELETE", `Removed job ${job.id}.`) }, "Remove"));
+  }
+  const name = job.name || job.config_name || `job ${job.id}`;
+  const tr = el("tr", { "data-job": job.id, "data-status": job.status },
+    el("td", { "data-label": "Job" }, el("a", { href: `/jobs/${job.id}` }, `#${job.id} ${name}`),
+      job.config_name ? el("div", { class: "muted small" }, `${job.config_name} v${job.config_version}`) : ""),
+    el("td", { "data-label": "Status" }, statusBadge(job.status), job.reason && job.status !== "succeeded" ? el("div", { class: "muted small" }, job.reason) : ""),
+    el("td", { "data-label": "Progress" }, el("div", {}, parts.bar, parts.label)),
+    el("td", { "data-label": "Loss", class: "num" }, parts.loss),
+    el("td", { "data-label": "it/s", class: "num" }, parts.its),
+    el("td", { "data-label": "ETA", class: "num" }, parts.eta),
+    el("td", { "data-label": "Submitted" }, fmtTime(job.submitted_at)),
+    el("td", { "data-label": "" }, actions));
+  rows.set(job.id, { tr, parts, status: job.status });
+  return tr;
+}
+
+async function refresh() {
+  let data;
+  try {
+    data = await api(`/api/jobs?limit=200${filter ? `&status=${filter}` : ""}`);
+  } catch (e) {
+    tbody.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "empty" }, `Could not load jobs: ${e.message}`)));
+    return;
+  }
+  rows.clear();
+  if (!data.jobs.length) {
+    tbody.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "empty" }, filter ? `No ${filter} jobs.` : "No jobs yet.")));
+  } else tbody.replaceChildren(...data.jobs.map(row));
+  const running = data.jobs.filter((j) => j.status === "running").length;
+  const queued = data.jobs.filter((j) => j.status === "queued").length;
+  document.getElementById("queue-summary").textContent = filter ? `${data.total} ${filter}` : `${data.total} job${data.total === 1 ? "" : "s"} · ${running} running · ${queued} queued`;
+}
+
+function scheduleRefresh(ms = 300) {
+  clearTimeout(refreshTimer);
+  refreshTimer = setTimeout(refresh, ms);
+}
+
+for (const button of document.querySelectorAll("#filters button")) {
+  button.addEventListener("click", () => {
+    filter = button.dataset.status;
+    for (const b of document.querySelectorAll("#filters button")) b.setAttribute("aria-pressed", String(b === button));
+    refresh();
+  });
+}
+
+form.addEventListener("submit", async (e) => {
+  e.preventDefault();
+  clearErrors(form);
+  if (!select.value) { showErrors(form, [{ path: "config_name", message: "choose a config (or create one first)" }]); select.focus(); return; }
+  const priorityText = document.getElementById("submit-priority").value.trim() || "0";
+  const body = { config_name: select.value, name: document.getElementById("submit-name").value.trim(),
+    priority: /^[-+]?\d+$/.test(priorityText) ? parseInt(priorityText, 10) : priorityText,
+    num_processes: processesFor(gpuPreference(), accelerators) };
+  try {
+    const job = await api("/api/jobs", { method: "POST", body });
+    toast(`Queued job ${job.id}.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
+    for (const w of job.warnings || []) toast(w);
+    document.getElementById("submit-name").value = "";
+    scheduleRefresh(0);
+  } catch (err) {
+    if (err.errors.length) showErrors(form, err.errors);
+    else toast(err.message, { error: true });
+  }
+});
+
+async function loadConfigs() {
+  try {
+    const configs = await api("/api/configs");
+    select.replaceChildren(el("option", { value: "" }, configs.length ? "— choose a config —" : "no configs yet"),
+      ...configs.map((c) => el("option", { value: c.name }, `${c.name} (v${c.current_version}${c.model_family ? `, ${c.model_family}` : ""})`)));
+    const wanted = new URLSearchParams(location.search).get("config");
+    if (wanted) select.value = wanted;
+  } catch (e) { toast(e.message, { error: true }); }
+}
+
+async function loadSystem() {
+  try {
+    const s = await api("/api/system");
+    accelerators = s.accelerators;
+  } catch { accelerators = []; }
+  document.getElementById("submit-gpus").textContent = describeProcesses(gpuPreference(), accelerators);
+}
+
+function liveState(state) {
+  document.getElementById("live-dot").className = `live-dot ${state === "live" ? "on" : state === "retry" ? "retry" : ""}`;
+  document.getElementById("live-text").textContent = state === "live" ? "live" : state === "retry" ? "reconnecting…" : "disconnected";
+  if (state === "live") scheduleRefresh(0); // catch up on anything missed while away
+}
+
+function onEvent(ev) {
+  const known = rows.get(ev.job_id);
+  if (ev.type === "progress" && known) applyProgress(known.parts, ev.data);
+  else if (ev.type === "job") scheduleRefresh();
+}
+
+Promise.all([loadConfigs(), loadSystem(), refresh()]).then(() => {
+  follow("/api/stream", { onEvent, onState: liveState });
+  document.body.dataset.ready = "true";
+});
