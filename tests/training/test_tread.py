@@ -278,3 +278,26 @@ def test_accepts_the_config_layers_routes():
     assert [(r.start_layer_idx, r.end_layer_idx) for r in handle.routes] == [(2, 4)]
     resolved = config.resolve_tread_routes(tread_config, 6)
     assert resolve_routes(resolved, 6) == handle.routes
+
+
+def test_layout_for_blocks_without_text_or_rotary_and_per_sample_selection():
+    class Block(torch.nn.Module):  # PixArt/SD3-like shape: tokens in, tokens out, positions already embedded
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    model = torch.nn.Sequential(*[Block() for _ in range(4)])
+    blocks_seen = []
+    model[2].register_forward_pre_hook(lambda m, a: blocks_seen.append(a[0].shape))
+    handle = apply_tread(model, [route(0.75, 1, 2)], TreadLayout(
+        blocks=list(model), image_arg="x", image_pos=0, text_arg=None, text_pos=None, rotary_arg=None,
+        rotary_pos=None, image_output=None, shared_selection=False), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 16, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert blocks_seen == [torch.Size([3, 4, 8])]
+    idx = handle.last_selection[0]
+    assert idx.shape == (3, 4) and not (idx == idx[0]).all()  # each sample keeps its own subset
+    assert (x.grad.abs().sum(-1) > 0).all()
