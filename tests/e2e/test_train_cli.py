@@ -283,3 +283,25 @@ def test_two_processes_train_as_two_ranks(tmp_path, sample_dataset):
     assert sorted(losses(output)) == [1, 2, 3, 4]
     assert (output / "checkpoint-4" / "trainable.safetensors").is_file()
     assert (output / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_full_finetune_saves_a_transformer_that_diffusers_loads(tmp_path, sample_dataset):
+    from diffusers import FluxTransformer2DModel
+
+    from simpletuner.models.tiny import tiny_root
+
+    config, output = write_run(tmp_path, sample_dataset, model_type="full", max_train_steps=3,
+                               lr_warmup_steps=0, learning_rate=1e-4, checkpointing_steps=2)
+    simpletuner("train", "--config", str(config))
+    summary = json.loads((output / "run_summary.json").read_text())
+    assert summary["lora_path"] is None and summary["model_path"].endswith("transformer")
+    trained = FluxTransformer2DModel.from_pretrained(output / "transformer")
+    base = FluxTransformer2DModel.from_pretrained(next(tiny_root().glob("flux-v*")), subfolder="transformer")
+    changed = [n for (n, a), (_, b) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(a, b)]
+    assert len(changed) > len(list(base.parameters())) // 2
+    # the checkpoint holds every weight, so a resumed full run continues
+    cfg = json.loads(config.read_text())
+    cfg["--max_train_steps"] = 4
+    config.write_text(json.dumps(cfg))
+    proc = simpletuner("train", "--config", str(config))
+    assert "resumed from" in proc.stderr and sorted(losses(output)) == [1, 2, 3, 4]

@@ -60,3 +60,26 @@ def test_weight_dtype():
     assert weight_dtype_for(namespace(mixed_precision="bf16", base_model_default_dtype="bf16"), cuda) == torch.bfloat16
     assert weight_dtype_for(namespace(mixed_precision="bf16", base_model_default_dtype="fp32"), cuda) == torch.float32
     assert weight_dtype_for(namespace(mixed_precision="fp16", base_model_default_dtype="bf16"), cpu) == torch.float32
+
+
+def test_init_lora_starts_from_an_existing_lora(setup, tmp_path):
+    from simpletuner.training.lora import lora_state_dict
+
+    config, adapter, transformer, _ = setup
+    state = {k: torch.randn_like(v) for k, v in lora_state_dict(transformer).items()}
+    adapter.save_lora(state, tmp_path)
+    fresh = adapter.load_transformer()
+    add_lora(fresh, adapter, flux_config(lora_dropout=0.0, init_lora=str(tmp_path / "pytorch_lora_weights.safetensors")))
+    loaded = lora_state_dict(fresh)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_init_lora_of_another_shape_is_refused(setup, tmp_path):
+    config, adapter, transformer, _ = setup
+    from simpletuner.training.lora import lora_state_dict
+
+    state = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in lora_state_dict(transformer).items()}
+    adapter.save_lora(state, tmp_path)
+    with pytest.raises(Exception, match="size|shape"):
+        add_lora(adapter.load_transformer(), adapter,
+                 flux_config(init_lora=str(tmp_path / "pytorch_lora_weights.safetensors")))
