@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # bump when a tiny checkpoint's architecture or init changes, so stale folders are not reused
-TINY_FORMAT = 1
+TINY_FORMAT = 2
 _CHARS = string.ascii_lowercase + string.digits + ".,!?'-:;()"
 _WORDS = ("the", "a", "an", "of", "on", "in", "and", "with", "photo", "red", "blue", "green", "circle", "square")
 

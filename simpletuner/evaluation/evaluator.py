@@ -1,0 +1,253 @@
+"""The one object the training loop talks to about validation, evaluation and reporting.
+
+    evaluator = Evaluator(config, backends, adapter, accelerator, reporter)   # checks settings (fails fast)
+    ... evaluator.fill_caches() while the encoders are loaded (eval latents, prompt embeddings) ...
+    evaluator.on_start(transformer, global_step)      # validation_on_startup
+    evaluator.on_step(global_step, transformer, loss=..., lr=...)   # after every optimizer step
+    evaluator.on_end(global_step, transformer)        # final validation, trackers closed
+
+Every ``validation_steps`` it generates the validation images (with previews and CLIP scores); every
+``eval_steps_interval`` it measures the eval loss. Train loss and lr go to the trackers every step; each step with
+validation or evaluation also sends one ``scores`` event holding all of that step's metrics. Images, trackers and
+webhook events come from the main process only; the other processes wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+
+from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
+from simpletuner.data.discovery import DatasetError, Sample, discover
+from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
+from simpletuner.evaluation.prompts import validation_prompts
+from simpletuner.evaluation.trackers import Trackers
+from simpletuner.evaluation.validation import (
+    PreviewImage,
+    ValidationImage,
+    ValidationRunner,
+    inference_mode,
+    preserve_rng_state,
+)
+
+log = logging.getLogger("simpletuner.evaluation")
+
+
+class Evaluator:
+    def __init__(self, config, backends, adapter, accelerator, reporter, *, trackers: Trackers | None = None,
+                 generators: list[torch.Generator] | tuple = ()):
+        """Checks the validation settings (raising on contradictions) and finds the eval images; loads nothing.
+
+        ``generators``: the trainer's own RNGs, restored after each validation/evaluation with the global ones.
+        """
+        self.config = config
+        self.backends = backends
+        self.adapter = adapter
+        self.accelerator = accelerator
+        self.reporter = reporter
+        self.is_main = accelerator.is_main_process
+        self.generators = [g for g in generators if g is not None]
+
+        # ---- validation images ----
+        self.prompts = validation_prompts(config)
+        self.resolutions = config.validation_resolutions
+        multiple = adapter.resolution_multiple
+        for w, h in self.resolutions:
+            if w % multiple or h % multiple:
+                raise ValueError(f"validation_resolution: {w}x{h} is not a multiple of {multiple} "
+                                 f"(required by model_family {config.model_family!r})")
+        wants_validation = bool(config.validation_steps or config.validation_on_startup)
+        self.validating = wants_validation and bool(self.prompts)
+        if wants_validation and not self.prompts:
+            log.warning("validation_steps is set but there is no validation_prompt or user_prompt_library: "
+                        "no validation images will be made")
+        if config.validation_preview:
+            if not self.validating:
+                raise ValueError("validation_preview: needs validation images (validation_steps or "
+                                 "validation_on_startup, and a validation_prompt or user_prompt_library)")
+            if not reporter.enabled:
+                raise ValueError("validation_preview: previews are sent as webhook events, and no webhook is "
+                                 "configured; set webhook_config or run the job from the server")
+        self.clip = config.evaluation_type == "clip"
+        if self.clip and not self.validating:
+            log.warning("evaluation_type 'clip' scores validation images, and validation is off: no CLIP scores")
+
+        # ---- eval loss ----
+        self.eval_datasets = []
+        for backend in backends.eval_datasets:
+            ds = discover(backend, config, adapter.resolution_multiple)
+            if not ds.samples:
+                raise DatasetError(f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
+                                   f"(dataset_type eval, {len(ds.skipped)} skipped)")
+            self.eval_datasets.append((backend, ds))
+        self.eval_every = config.eval_steps_interval or (config.validation_steps if self.eval_datasets else None)
+        if config.eval_steps_interval and not self.eval_datasets:
+            log.warning("eval_steps_interval is set but no dataset has dataset_type 'eval': no eval loss")
+        self.evaluating = bool(self.eval_datasets and self.eval_every)
+
+        self.text_cache = TensorCache(backends.text_embeds.cache_dir)
+        self._identities: tuple[str, str] | None = None
+        self._eval_items: list[EvalItem] | None = None
+        self._embeddings: dict[str, dict[str, torch.Tensor]] = {}
+        self._runner: ValidationRunner | None = None
+        self._scorer = None
+        self._last_validated: int | None = None
+        self._last_evaluated: int | None = None
+        if trackers is None and self.is_main:
+            with preserve_rng_state():  # a tracker library drawing random ids must not shift the training RNG
+                trackers = Trackers(config)
+        self.trackers = trackers
+
+    # ---- caches -----------------------------------------------------------------------------------------
+    def captions(self) -> list[str]:
+        """Every text the evaluator needs embedded: validation prompts, the negative prompt, eval captions."""
+        texts = [p.prompt for p in self.prompts] if self.validating else []
+        if self.validating and self.config.validation_guidance_real > 1:
+            texts.append(self.config.validation_negative_prompt or "")
+        if self.evaluating:
+            texts += [s.caption for _, ds in self.eval_datasets for s in ds.samples]
+        return texts
+
+    def eval_samples(self) -> list[Sample]:
+        return [s for _, ds in self.eval_datasets for s in ds.samples] if self.evaluating else []
+
+    def fill_caches(self, show_progress: bool = True) -> tuple[int, int]:
+        """Encode what is not cached yet (eval latents, prompt embeddings); returns (latents, captions) encoded."""
+        latents = 0
+        if self.evaluating:
+            by_cache: dict[str, list[Sample]] = {}
+            for backend, ds in self.eval_datasets:
+                by_cache.setdefault(backend.cache_dir_vae, []).extend(ds.samples)
+            latents = fill_latent_cache(by_cache, self.adapter, self.config.vae_batch_size, show_progress=show_progress)
+        captions = fill_text_cache(self.captions(), self.adapter, self.text_cache,
+                                   self.backends.text_embeds.write_batch_size, show_progress=show_progress)
+        return latents, captions
+
+    def _identity(self) -> tuple[str, str]:
+        if self._identities is None:
+            self._identities = (self.adapter.vae_cache_identity(), self.adapter.text_cache_identity())
+        return self._identities
+
+    def prompt_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The cached text embedding of ``prompt`` (encoded now if the cache lacks it)."""
+        if prompt not in self._embeddings:
+            key = text_key(prompt, self._identity()[1])
+            if not self.text_cache.has(key):
+                fill_text_cache([prompt], self.adapter, self.text_cache, 1, show_progress=False)
+            self._embeddings[prompt] = self.text_cache.load(key)
+        return self._embeddings[prompt]
+
+    def eval_items(self) -> list[EvalItem]:
+        if self._eval_items is None:
+            vae_identity, text_identity = self._identity()
+            if any(not TensorCache(b.cache_dir_vae).has(latent_key(s, vae_identity))
+                   for b, ds in self.eval_datasets for s in ds.samples):
+                self.fill_caches(show_progress=False)
+            items = []
+            for backend, ds in self.eval_datasets:
+                cache = TensorCache(backend.cache_dir_vae)
+                for s in ds.samples:
+                    key = latent_key(s, vae_identity)
+                    items.append(EvalItem(key, cache.load(key)["latents"], self.prompt_embedding(s.caption)))
+            self._eval_items = items
+        return self._eval_items
+
+    # ---- hooks for the training loop ----------------------------------------------------------------------
+    def on_start(self, transformer, step: int = 0) -> dict[str, float]:
+        """``validation_on_startup``: validate (and evaluate) before the first step."""
+        if not self.config.validation_on_startup:
+            return {}
+        return self._run(step, transformer, {}, validate=self.validating, evaluate=self.evaluating)
+
+    def on_step(self, step: int, transformer, *, loss: float | None = None, lr: float | None = None) -> dict:
+        """After optimizer step ``step``: log train metrics; validate / evaluate when the step is due."""
+        metrics = {k: v for k, v in (("train/loss", loss), ("train/lr", lr)) if v is not None}
+        validate = self.validating and bool(self.config.validation_steps) and step % self.config.validation_steps == 0
+        evaluate = self.evaluating and step % self.eval_every == 0
+        return self._run(step, transformer, metrics, validate=validate, evaluate=evaluate)
+
+    def on_end(self, step: int, transformer) -> dict[str, float]:
+        """Final validation / evaluation (unless this step already had one); closes the trackers."""
+        try:
+            return self._run(step, transformer, {}, validate=self.validating and self._last_validated != step,
+                             evaluate=self.evaluating and self._last_evaluated != step)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+
+    # ---- the work ---------------------------------------------------------------------------------------
+    def _run(self, step: int, transformer, metrics: dict, *, validate: bool, evaluate: bool) -> dict[str, float]:
+        if validate or evaluate:
+            if self.is_main:
+                with preserve_rng_state(*self.generators):
+                    self._work(step, transformer, metrics, validate, evaluate)
+            self.accelerator.wait_for_everyone()
+        if self.is_main and metrics:
+            if self.trackers is not None:
+                self.trackers.log(metrics, step)
+                if validate or evaluate:
+                    self.trackers.flush()
+            if validate or evaluate:
+                self.reporter.scores(step, metrics)
+        return metrics
+
+    def _work(self, step, transformer, metrics, validate, evaluate):
+        model = self.accelerator.unwrap_model(transformer)
+        if validate:
+            metrics.update(self.validate(step, model))
+            self._last_validated = step
+        if evaluate:
+            metrics.update(self.evaluate(model))
+            self._last_evaluated = step
+
+    def evaluate(self, model) -> dict[str, float]:
+        """Eval loss of ``model`` (the unwrapped transformer) on the eval datasets."""
+        items = self.eval_items()
+        with preserve_rng_state(), inference_mode(model), self.accelerator.autocast():
+            metrics = evaluation_loss(self.adapter, model, items, batch_size=self.config.train_batch_size,
+                                      device=self.accelerator.device)
+        log.info("eval loss %.5f over %d image(s)", metrics["eval/loss"], len(items))
+        return metrics
+
+    def validate(self, step: int, model) -> dict[str, float]:
+        """Generate, save and send the validation images of ``step``; returns their CLIP scores (if on)."""
+        images = self.runner().run(model, self.prompts, self.resolutions, step)
+        log.info("validation: %d image(s) in %s", len(images), images[0].path.parent if images else "-")
+        if self.trackers is not None:
+            self.trackers.log_images({f"validation/{im.name}": im.image for im in images}, step,
+                                     captions={f"validation/{im.name}": im.prompt for im in images})
+        return self.clip_scores(images) if self.clip and images else {}
+
+    def runner(self) -> ValidationRunner:
+        if self._runner is None:
+            decoder = self.adapter.load_preview_decoder() if self.config.validation_preview else None
+            self._runner = ValidationRunner(self.config, self.adapter, self.prompt_embedding, preview_decoder=decoder,
+                                            on_preview=self._send_preview, on_image=self._send_image,
+                                            autocast=self.accelerator.autocast)
+        return self._runner
+
+    def _send_image(self, image: ValidationImage, step: int) -> None:
+        self.reporter.image("validation", step, image.path, prompt=image.prompt, nickname=image.nickname,
+                            resolution=image.resolution)
+
+    def _send_preview(self, preview: PreviewImage, step: int) -> None:
+        self.reporter.image("preview", step, preview.path, prompt=preview.prompt, nickname=preview.nickname,
+                            resolution=preview.resolution, inference_step=preview.inference_step)
+
+    def clip_scores(self, images: list[ValidationImage]) -> dict[str, float]:
+        """``clip_score/<nickname>`` (mean over resolutions) and ``clip_score/mean`` (over every image)."""
+        if self._scorer is None:
+            from simpletuner.evaluation.clip_score import ClipScorer, clip_model_path
+
+            self._scorer = ClipScorer(clip_model_path(self.config), self.accelerator.device)
+        with preserve_rng_state():
+            scores = self._scorer.score([im.image for im in images], [im.prompt for im in images])
+        per_prompt: dict[str, list[float]] = {}
+        for im, score in zip(images, scores):
+            per_prompt.setdefault(im.nickname, []).append(score)
+        metrics = {f"clip_score/{name}": sum(v) / len(v) for name, v in per_prompt.items()}
+        metrics["clip_score/mean"] = sum(scores) / len(scores)
+        return metrics

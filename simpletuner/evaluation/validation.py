@@ -1,0 +1,182 @@
+"""Validation images and live previews from the family's diffusers pipeline, built around the training model.
+
+The pipeline wraps the training transformer itself (LoRA active, no second copy of the weights). While it runs,
+the transformer is in eval mode (dropout off) with TREAD routing off and no autograd; afterwards every module's
+train/eval flag and every RNG (python, numpy, torch, CUDA) is put back, so a run with validation trains exactly as
+one without.
+
+Images are written to ``<output_dir>/validation/step_<N>/<nickname>_<W>x<H>.png``; previews (the Tiny
+AutoEncoder's decode of the latents every ``validation_preview_steps`` denoising steps) to
+``.../step_<N>/previews/<nickname>_<W>x<H>_<inference step>.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from simpletuner.evaluation.prompts import ValidationPrompt
+
+log = logging.getLogger("simpletuner.evaluation")
+
+
+@contextlib.contextmanager
+def preserve_rng_state(*generators: torch.Generator) -> Iterator[None]:
+    """Restore python's, numpy's, torch's (CPU and every CUDA device's) and ``generators``' RNG states on exit."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    own = [(g, g.get_state()) for g in generators if g is not None]
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        for g, state in own:
+            g.set_state(state)
+
+
+@contextlib.contextmanager
+def inference_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Eval mode, TREAD routing off and no autograd for the duration; each module's own flags restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    handle = getattr(model, "_tread_handle", None)
+    tread_enabled = handle.enabled if handle is not None else None
+    model.eval()
+    if handle is not None:
+        handle.enabled = False
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for module, training in flags:
+            module.training = training
+        if handle is not None:
+            handle.enabled = tread_enabled
+
+
+def to_pil(pixels: torch.Tensor):
+    """(3, H, W) in [-1, 1] -> PIL image."""
+    from PIL import Image
+
+    arr = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(arr)
+
+
+@dataclass
+class ValidationImage:
+    nickname: str
+    prompt: str
+    resolution: tuple[int, int]  # (width, height)
+    path: Path
+    image: object  # PIL image
+
+    @property
+    def name(self) -> str:
+        return f"{self.nickname}_{self.resolution[0]}x{self.resolution[1]}"
+
+
+@dataclass
+class PreviewImage:
+    nickname: str
+    prompt: str
+    resolution: tuple[int, int]
+    inference_step: int
+    path: Path
+
+
+def step_folder(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "validation" / f"step_{step}"
+
+
+class ValidationRunner:
+    """Generates one step's validation images (and previews) for a list of prompts and resolutions.
+
+    ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension);
+    ``preview_decoder`` is an AutoencoderTiny (or None for no previews); ``on_preview(preview, step)`` and
+    ``on_image(image, step)`` are called as each preview / image is written.
+    """
+
+    def __init__(self, config, adapter, embeddings: Callable[[str], dict], *, preview_decoder=None,
+                 on_preview: Callable[[PreviewImage, int], None] | None = None,
+                 on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None):
+        self.config = config
+        self.adapter = adapter
+        self.embeddings = embeddings
+        self.preview_decoder = preview_decoder
+        self.on_preview = on_preview
+        self.on_image = on_image
+        self.autocast = autocast or contextlib.nullcontext
+        self.seed = config.validation_seed if config.validation_seed is not None else (config.seed or 0)
+        self.negative_prompt = config.validation_negative_prompt or ""
+
+    def negative_needed(self) -> bool:
+        return self.config.validation_guidance_real > 1
+
+    def run(self, transformer, prompts: list[ValidationPrompt], resolutions: list[tuple[int, int]],
+            step: int) -> list[ValidationImage]:
+        folder = step_folder(self.config.output_dir, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        results = []
+        with preserve_rng_state(), inference_mode(transformer):
+            pipeline = self.adapter.build_validation_pipeline(transformer)
+            pipeline.set_progress_bar_config(disable=True)
+            negative = self._embeddings(self.negative_prompt, transformer) if self.negative_needed() else None
+            for item in prompts:
+                text = self._embeddings(item.prompt, transformer)
+                for width, height in resolutions:
+                    image = self._generate(pipeline, item, text, negative, width, height, step, folder)
+                    path = folder / f"{item.nickname}_{width}x{height}.png"
+                    image.save(path)
+                    result = ValidationImage(item.nickname, item.prompt, (width, height), path, image)
+                    results.append(result)
+                    if self.on_image is not None:
+                        self.on_image(result, step)
+        return results
+
+    def _embeddings(self, prompt: str, transformer) -> dict[str, torch.Tensor]:
+        device = self.adapter.device
+        # float32: under mixed precision autocast casts for the transformer while the VAE decodes in fp32
+        return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in self.embeddings(prompt).items()}
+
+    def _generate(self, pipeline, item, text, negative, width, height, step, folder):
+        kwargs = self.adapter.validation_pipeline_kwargs(
+            text, negative, guidance=self.config.validation_guidance,
+            guidance_real=self.config.validation_guidance_real,
+        )
+        every = self.config.validation_preview_steps
+        if self.preview_decoder is not None:
+            kwargs["callback_on_step_end"] = self._preview_callback(item, width, height, step, folder, every)
+            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+        generator = torch.Generator("cpu").manual_seed(self.seed)
+        with self.autocast():
+            out = pipeline(height=height, width=width, num_inference_steps=self.config.validation_num_inference_steps,
+                           generator=generator, output_type="pil", **kwargs)
+        return out.images[0]
+
+    def _preview_callback(self, item: ValidationPrompt, width: int, height: int, step: int, folder: Path, every: int):
+        previews = folder / "previews"
+
+        def callback(pipe, index, timestep, callback_kwargs):
+            done = index + 1
+            if done % every == 0:
+                latents = self.adapter.preview_latents(callback_kwargs["latents"], height, width)
+                decoder = self.preview_decoder
+                pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
+                previews.mkdir(parents=True, exist_ok=True)
+                path = previews / f"{item.nickname}_{width}x{height}_{done}.png"
+                to_pil(pixels).save(path)
+                if self.on_preview is not None:
+                    self.on_preview(PreviewImage(item.nickname, item.prompt, (width, height), done, path), step)
+            return {}
+
+        return callback
