@@ -261,13 +261,13 @@ class _RouteContext:
 _handle_ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)
 class TreadHandle:
     """Returned by apply_tread. `enabled=False` turns routing off; `remove()` detaches every hook."""
 
-    module: nn.Module
+    module: nn.Module = field(repr=False)
     routes: list[TreadRoute]
-    layout: TreadLayout
+    layout: TreadLayout = field(repr=False)
     router: TREADRouter
     enabled: bool = True
     route_in_eval: bool = False
