@@ -111,7 +111,7 @@ class ClipScorer:
         try:
             self.processor = CLIPProcessor.from_pretrained(model_path)
             self.model = CLIPModel.from_pretrained(model_path, dtype=torch.float32)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # a missing folder can surface as an invalid repo id (ValueError)
             raise OSError(f"pretrained_evaluation_model_name_or_path: cannot load CLIP from {model_path!r}: {exc}") from exc
         self.model.requires_grad_(False).eval().to(self.device)
 
