@@ -59,9 +59,22 @@ export class LineChart {
     this.empty = document.createElement("div");
     this.empty.className = "nodata";
     this.empty.textContent = "no data yet";
-    container.append(this.root, this.legend, this.empty);
+    container.append(this.legend, this.root, this.empty);
     if (typeof ResizeObserver !== "undefined") new ResizeObserver(() => this.schedule()).observe(container);
     this.schedule();
+  }
+
+  /** The index of the series called ``name``, added (with the next colour) when it is new. */
+  seriesIndex(name, color) {
+    let i = this.series.findIndex((s) => s.name === name);
+    if (i >= 0) return i;
+    this.series.push({ name, color, axis: "left", points: [] });
+    const item = document.createElement("span");
+    const swatch = document.createElement("i");
+    swatch.style.background = color;
+    item.append(swatch, name);
+    this.legend.append(item);
+    return this.series.length - 1;
   }
 
   get count() {
@@ -96,8 +109,8 @@ export class LineChart {
   }
 
   draw() {
-    const w = Math.max(200, this.container.clientWidth);
-    const h = Math.max(120, this.container.clientHeight);
+    const w = Math.max(200, this.root.clientWidth || this.container.clientWidth);
+    const h = Math.max(100, this.root.clientHeight || this.container.clientHeight);
     const root = this.root;
     root.replaceChildren();
     root.setAttribute("viewBox", `0 0 ${w} ${h}`);

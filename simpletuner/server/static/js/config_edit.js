@@ -86,6 +86,7 @@ function renderSchemaSections() {
     }
     host.append(details);
   }
+  document.querySelector("#sec-validation .fields")?.append(promptLibraryEditor());
   const toc = document.getElementById("toc");
   toc.replaceChildren(el("a", { href: "#sec-meta" }, "Config"),
     ...groups.filter((g) => document.getElementById(`sec-${g.id}`))
@@ -96,6 +97,44 @@ function renderSchemaSections() {
   for (const link of toc.querySelectorAll("a")) {
     link.addEventListener("click", () => { const target = document.querySelector(link.getAttribute("href")); if (target.tagName === "DETAILS") target.open = true; });
   }
+}
+
+// ---- the prompt library (user_prompt_library.json: {nickname: prompt}) ---------------------------------
+function promptLibraryEditor() {
+  const box = el("fieldset", { class: "wide field", "data-path": "prompt_library", id: "prompt-library" },
+    el("legend", {}, "Prompt library", el("span", { class: "key" }, "user_prompt_library")),
+    el("p", { class: "help" }, "Extra validation prompts, each with a nickname that names its images. Stored with the config; the server writes the file for each job."));
+  const rows = el("div");
+  const err = el("p", { class: "err", hidden: true });
+  box.append(rows, err);
+  let entries = Object.entries(state.library || {});
+  const sync = () => {
+    const lib = {};
+    for (const [nick, prompt] of entries) if (nick.trim()) lib[nick.trim()] = prompt;
+    state.library = Object.keys(lib).length ? lib : null;
+    changed();
+  };
+  const draw = () => {
+    rows.replaceChildren();
+    entries.forEach((entry, i) => {
+      const nickId = `lib-nick-${i}`;
+      const promptId = `lib-prompt-${i}`;
+      const nick = el("input", { type: "text", id: nickId, value: entry[0], autocomplete: "off" });
+      const prompt = el("input", { type: "text", id: promptId, value: entry[1], autocomplete: "off" });
+      nick.addEventListener("input", () => { entries[i][0] = nick.value; sync(); });
+      prompt.addEventListener("input", () => { entries[i][1] = prompt.value; sync(); });
+      rows.append(el("div", { class: "route-row library-row", "data-path": `prompt_library.${entry[0]}` },
+        el("div", { class: "field" }, el("label", { for: nickId }, "Nickname"), nick),
+        el("div", { class: "field", style: "grid-column: span 2" }, el("label", { for: promptId }, "Prompt"), prompt),
+        el("button", { type: "button", class: "small danger", "aria-label": `Remove prompt ${i + 1}`,
+          onclick: () => { entries.splice(i, 1); sync(); draw(); } }, "Remove")));
+    });
+    rows.append(el("button", { type: "button", class: "small", id: "add-prompt", onclick: () => {
+      entries.push(["", ""]); draw(); rows.querySelector(".library-row:last-of-type input")?.focus();
+    } }, "Add prompt"));
+  };
+  draw();
+  return box;
 }
 
 // ---- data backends -------------------------------------------------------------------------------------
@@ -294,8 +333,19 @@ async function save() {
   clearAll();
   const name = nameInput.value.trim();
   if (!name) { reportErrors([{ path: "name", message: "give the config a name" }]); return null; }
+  if (!/^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$/.test(name)) {
+    reportErrors([{ path: "name", message: "use letters, digits, '.', '_' and '-' (starting with a letter or digit)" }]);
+    return null;
+  }
   const payload = { ...body(), description: descInput.value, comment: commentInput.value };
   try {
+    // check first: a refused config is then a normal answer rather than a failed request
+    const checked = await api("/api/configs/validate", { method: "POST", body: body() });
+    if (!checked.valid) { reportErrors(checked.errors); return null; }
+    if (!state.exists && !(await nameIsFree(name))) {
+      reportErrors([{ path: "name", message: `a config named ${name} already exists; choose another name` }]);
+      return null;
+    }
     let saved;
     if (state.exists) saved = await api(`/api/configs/${encodeURIComponent(state.name)}`, { method: "PUT", body: payload });
     else saved = await api("/api/configs", { method: "POST", body: { ...payload, name } });
@@ -314,6 +364,11 @@ async function save() {
     failed(e);
     return null;
   }
+}
+
+async function nameIsFree(name) {
+  const configs = await api("/api/configs");
+  return !configs.some((c) => c.name === name);
 }
 
 async function saveAndQueue() {

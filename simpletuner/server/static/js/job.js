@@ -8,7 +8,7 @@ import { LineChart } from "./chart.js";
 
 const jobId = Number(document.body.dataset.jobId);
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
-const METRIC_NAMES = { clip_score: "CLIP score", eval_loss: "Eval loss" };
+const METRIC_NAMES = { clip_score: "CLIP score", eval: "Eval loss", eval_loss: "Eval loss" };
 const COLORS = ["#3b5bdb", "#e8590c", "#2b8a3e", "#ae3ec9", "#1098ad", "#c92a2a"];
 
 const bar = progressBar(true);
@@ -166,18 +166,26 @@ function applyPromptFilter() {
   for (const fig of document.querySelectorAll("#gallery figure")) fig.hidden = Boolean(wanted) && fig.dataset.prompt !== wanted;
 }
 
+/** Metrics arrive as "group/name" (clip_score/<prompt>, clip_score/mean, eval/loss, eval/loss_sigma_0.1, ...):
+ *  one chart per group, one line per name. train/* repeats the loss chart and is left out. */
 function addScores(d) {
-  document.getElementById("no-scores")?.remove();
-  for (const [name, value] of Object.entries(d.metrics || {})) {
-    let chart = scoreCharts.get(name);
+  for (const [metric, value] of Object.entries(d.metrics || {})) {
+    const cut = metric.indexOf("/");
+    const group = cut > 0 ? metric.slice(0, cut) : metric;
+    const name = cut > 0 ? metric.slice(cut + 1) : metric;
+    if (group === "train") continue;
+    document.getElementById("no-scores")?.remove();
+    let chart = scoreCharts.get(group);
     if (!chart) {
-      const box = el("div", { "data-metric": name });
-      const label = METRIC_NAMES[name] || name;
+      const box = el("div", { "data-metric": group });
+      const label = METRIC_NAMES[group] || group;
       document.getElementById("score-charts").append(el("h3", {}, label), box);
-      chart = new LineChart(box, { title: `${label} per step`, series: [{ name: label, color: COLORS[(scoreCharts.size + 2) % COLORS.length] }] });
-      scoreCharts.set(name, chart);
+      chart = new LineChart(box, { title: `${label} per step`, series: [] });
+      scoreCharts.set(group, chart);
     }
-    chart.add(0, d.step, value);
+    const label = group === "eval" ? (name === "loss" ? "mean" : name.replace(/^loss_sigma_/, "σ ")) : name;
+    const index = chart.seriesIndex(label, COLORS[chart.series.length % COLORS.length]);
+    chart.add(index, d.step, value);
   }
 }
 
@@ -208,7 +216,8 @@ function onEvent(ev) {
       break;
     case "scores":
       addScores(d);
-      activity(ev, `scores at step ${d.step}: ${Object.entries(d.metrics || {}).map(([k, v]) => `${k} ${fmtNum(v)}`).join(", ")}`);
+      activity(ev, `scores at step ${d.step}: ${Object.entries(d.metrics || {}).filter(([k]) => !k.startsWith("train/") && !k.startsWith("eval/loss_sigma"))
+        .map(([k, v]) => `${k} ${fmtNum(v)}`).join(", ") || "train metrics"}`);
       break;
     case "checkpoint":
       addCheckpoint(d);
@@ -239,6 +248,14 @@ function onEvent(ev) {
 }
 
 // ---- log tail ----------------------------------------------------------------------------------------
+const logLines = [];
+let logPartial = ""; // the unfinished last line (a chunk may end mid-line)
+
+function lastState(line) {
+  // tqdm redraws a line with carriage returns: show its latest state
+  return line.split("\r").filter((part) => part.trim()).pop() || "";
+}
+
 async function pollLog() {
   clearTimeout(logTimer);
   const pre = document.getElementById("log");
@@ -250,9 +267,11 @@ async function pollLog() {
     if (Number.isFinite(next)) logOffset = next;
     if (text) {
       const atBottom = pre.scrollHeight - pre.scrollTop - pre.clientHeight < 30;
-      // tqdm redraws with carriage returns: keep the last state of each line
-      const clean = text.split("\n").map((line) => line.split("\r").filter(Boolean).pop() || "").join("\n");
-      pre.textContent = (pre.textContent + clean).split("\n").slice(-500).join("\n");
+      const lines = (logPartial + text).split("\n");
+      logPartial = lines.pop();
+      logLines.push(...lines.map(lastState));
+      if (logLines.length > 500) logLines.splice(0, logLines.length - 500);
+      pre.textContent = [...logLines, lastState(logPartial)].join("\n");
       if (atBottom) pre.scrollTop = pre.scrollHeight;
     }
   } catch { /* retried below */ }
@@ -288,9 +307,13 @@ function renderCheckpoints() {
 
 function renderArtefacts() {
   const list = document.getElementById("artefacts");
-  const wanted = files.filter((f) => !/(^|\/)checkpoint-[^/]+\//.test(f.path) && !f.path.startsWith("events/") && !f.path.includes("/cache/"));
+  // checkpoints, validation images and event copies have their own sections
+  const wanted = files.filter((f) => !/(^|\/)checkpoint-[^/]+\//.test(f.path) && !f.path.startsWith("events/")
+    && !f.path.includes("/cache/") && !/(^|\/)validation\//.test(f.path));
   if (!wanted.length) return;
   list.replaceChildren(...wanted.map((f) => el("li", {}, fileLink(f), el("span", { class: "muted small" }, fmtBytes(f.size)))));
+  const images = files.filter((f) => /(^|\/)validation\/.+\.(png|jpe?g|webp)$/.test(f.path)).length;
+  if (images) list.append(el("li", { class: "muted small" }, `${images} validation and preview image files under output/validation/ (shown above)`));
 }
 
 async function loadFiles() {

@@ -1,0 +1,243 @@
+"""The web UI in a real browser: build a tiny-Flux config in the form (a server validation error shown at its
+input, then fixed), queue it, watch it train to the end; reload a job page mid-run without losing events;
+manage configs; reach the controls by keyboard; fit a narrow window."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.browser.conftest import shot, tiny_backends, tiny_train_config
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+
+
+def field(page, path: str):
+    """The input of the generated form field with this server-side path."""
+    return page.locator(f'[data-path="{path}"]').locator("input, select, textarea").first
+
+
+def sideways_overflow(page) -> list[str]:
+    """Elements reaching past the right edge of the window (empty when the page does not scroll sideways)."""
+    return page.evaluate("""(() => {
+        if (document.documentElement.scrollWidth <= window.innerWidth + 1) return [];
+        return [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > window.innerWidth + 1)
+            .map(e => `${e.tagName.toLowerCase()}#${e.id}.${e.className}`).slice(0, 20);
+    })()""")
+
+
+def validation_images(server, job_id: int) -> list[dict]:
+    return [e for e in server.all_events(job_id)
+            if e["type"] == "image" and (e["data"] or {}).get("kind", "validation") != "preview"]
+
+
+def test_form_to_finished_job(page, server):
+    page.goto(f"{server.url}/configs/new")
+    page.wait_for_selector("body[data-ready]")
+    page.fill("#config-name", "tiny-flux")
+    page.fill("#config-description", "made in the browser test")
+    field(page, "train_config.model_family").select_option("flux")
+    field(page, "train_config.model_flavour").select_option("tiny")
+    field(page, "train_config.mixed_precision").select_option("no")
+    for path, value in {"max_train_steps": 12, "checkpointing_steps": 6, "lr_warmup_steps": 2, "seed": 42,
+                        "train_batch_size": 2, "learning_rate": -1, "lora_rank": 8, "lora_alpha": 8,
+                        "flow_schedule_shift": 1, "validation_steps": 6, "validation_prompt": "a red square",
+                        "validation_num_inference_steps": 2, "validation_resolution": "64", "validation_seed": 3,
+                        "validation_preview_steps": 1, "eval_steps_interval": 6}.items():
+        field(page, f"train_config.{path}").fill(str(value))
+    field(page, "train_config.validation_preview").check()
+    field(page, "train_config.evaluation_type").select_option("clip")
+    page.click("#add-prompt")
+    page.fill("#lib-nick-0", "circle")
+    page.fill("#lib-prompt-0", "an orange circle")
+
+    # the dataset: renamed, its folder picked in the folder browser, a bad resolution
+    field(page, "data_backends[my-dataset].id").fill("sample")
+    page.locator('[data-path="data_backends[sample].instance_data_dir"] button').click()
+    dialog = page.locator("#browse-dialog")
+    dialog.wait_for(state="visible")
+    dialog.locator('#browse-list button[data-path$="/datasets"]').click()
+    dialog.locator('#browse-list button[data-path$="/datasets/sample"]').click()
+    page.wait_for_function("document.getElementById('browse-path').textContent.endsWith('/datasets/sample')")
+    dialog.locator("#browse-choose").click()
+    assert field(page, "data_backends[sample].instance_data_dir").input_value().endswith("/datasets/sample")
+    page.wait_for_function("document.querySelector('.backend-card .scan').textContent.includes('12 images')")
+    field(page, "data_backends[sample].caption_strategy").select_option("textfile")
+    field(page, "data_backends[sample].resolution").fill("-3")
+    field(page, "data_backends[sample].resolution_type").select_option("pixel")
+    field(page, "data_backends[sample].cache_dir_vae").fill("cache/vae/sample")
+    # a held-out set for eval loss
+    page.click("#add-dataset")
+    field(page, "data_backends[my-dataset-2].id").fill("held-out")
+    field(page, "data_backends[held-out].dataset_type").select_option("eval")
+    field(page, "data_backends[held-out].instance_data_dir").fill("datasets/held-out")
+    field(page, "data_backends[held-out].caption_strategy").select_option("textfile")
+    field(page, "data_backends[held-out].resolution").fill("64")
+    field(page, "data_backends[held-out].resolution_type").select_option("pixel")
+    field(page, "data_backends[held-out].cache_dir_vae").fill("cache/vae/held-out")
+
+    # save: the server refuses, and each error shows at its own input
+    page.click("#save-button")
+    summary = page.locator("#error-summary")
+    summary.wait_for(state="visible")
+    lr = page.locator('[data-path="train_config.learning_rate"]')
+    assert "must be > 0" in lr.locator(".err").inner_text()
+    assert field(page, "train_config.learning_rate").get_attribute("aria-invalid") == "true"
+    res = page.locator('[data-path="data_backends[sample].resolution"]')
+    assert "must be > 0" in res.locator(".err").inner_text()
+    assert "2 problems" in summary.inner_text()
+    assert page.evaluate("document.activeElement.closest('[data-path]').dataset.path") == "train_config.learning_rate"
+    shot(page, "config-error-1280")
+    shot(page, "config-error-at-input-1280", full_page=False)  # the focused input, scrolled into view
+    assert page.evaluate("fetch('/api/configs').then(r => r.json()).then(l => l.length)") == 0
+
+    # fixed, saved and queued
+    field(page, "train_config.learning_rate").fill("3e-3")
+    field(page, "data_backends[sample].resolution").fill("64")
+    page.click("#queue-button")
+    page.wait_for_url(re.compile(r"/jobs/\d+$"), timeout=30_000)
+    job_id = int(page.url.rsplit("/", 1)[1])
+    page.wait_for_selector("body[data-ready]")
+
+    # progress bar and loss chart move
+    page.wait_for_function("Number(document.getElementById('loss-chart').dataset.points || 0) >= 2", timeout=180_000)
+    first = int(page.get_attribute("[role=progressbar]", "aria-valuenow"))
+    first_points = int(page.get_attribute("#loss-chart", "data-points"))
+    page.wait_for_function(f"Number(document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')) > {first}",
+                           timeout=120_000)
+    page.wait_for_function(f"Number(document.getElementById('loss-chart').dataset.points) > {first_points}")
+    assert page.locator("#loss-chart svg path").count() >= 2  # loss and learning-rate lines
+    shot(page, "job-running-1280")
+
+    # to the end
+    page.wait_for_selector('body[data-status="succeeded"]', timeout=240_000)
+    page.wait_for_selector("body[data-stream-ended]", timeout=30_000)
+    assert page.get_attribute("[role=progressbar]", "aria-valuenow") == "100"
+    assert page.inner_text("#stat-step") == "12 / 12"
+    page.wait_for_function("document.querySelectorAll('#checkpoints li[data-step]').length >= 1")
+    page.wait_for_function("document.getElementById('artefacts').textContent.includes('pytorch_lora_weights.safetensors')")
+    page.wait_for_function("document.getElementById('log').textContent.includes('Training')")
+    link = page.locator("#artefacts a", has_text="pytorch_lora_weights.safetensors").first
+    assert page.evaluate(f"fetch({link.get_attribute('href')!r}).then(r => r.status)") == 200
+
+    # validation images (two prompts at steps 6 and 12): every one the server stored is in the gallery, and loads
+    images = validation_images(server, job_id)
+    assert sorted({(e["data"]["step"], e["data"]["nickname"]) for e in images}) == [
+        (6, "circle"), (6, "validation"), (12, "circle"), (12, "validation")]
+    gallery = page.locator("#gallery .validation-image img")
+    assert gallery.count() == len(images)
+    assert page.locator("#gallery .gallery-step h3").all_inner_texts() == ["Step 12", "Step 6"]
+    page.select_option("#gallery-prompt", "circle")
+    assert page.locator("#gallery .validation-image:visible").count() == 2
+    page.select_option("#gallery-prompt", "")
+    # live previews: the latest denoising state per prompt
+    assert page.locator("#previews .preview-image img").count() == 2
+    # CLIP score and eval loss charts
+    for group in ("clip_score", "eval"):
+        assert int(page.get_attribute(f'[data-metric="{group}"]', "data-points")) >= 2, group
+    for i in range(gallery.count()):
+        gallery.nth(i).scroll_into_view_if_needed()
+        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=gallery.nth(i).element_handle())
+    shot(page, "job-finished-1280")
+
+    page.set_viewport_size({"width": 420, "height": 800})
+    page.wait_for_timeout(200)
+    assert not sideways_overflow(page)
+    shot(page, "job-finished-420")
+
+
+def test_reload_mid_run_misses_no_events(page, server):
+    created = server.http.post("/api/configs", json={"name": "tiny-flux-api", "train_config": tiny_train_config(max_train_steps=16),
+                                                     "data_backends": tiny_backends()})
+    assert created.status_code == 201, created.text
+    job = server.http.post("/api/jobs", json={"config_name": "tiny-flux-api"}).json()
+    job_id = job["id"]
+    page.goto(f"{server.url}/jobs/{job_id}")
+    page.wait_for_selector("body[data-ready]")
+    page.wait_for_function("Number(document.getElementById('loss-chart').dataset.points || 0) >= 6", timeout=180_000)
+    before = int(page.get_attribute("#event-count", "data-count"))
+
+    page.reload()
+    page.wait_for_selector("body[data-ready]")
+    status = server.http.get(f"/api/jobs/{job_id}").json()
+    assert status["status"] == "running" and status["progress"]["step"] < 16, "the reload should happen mid-run"
+    # straight after the reload the replay already holds everything seen before it
+    page.wait_for_function(f"Number(document.getElementById('event-count').dataset.count) >= {before}")
+
+    page.wait_for_selector("body[data-stream-ended]", timeout=240_000)
+    events = server.all_events(job_id)
+    assert int(page.get_attribute("#event-count", "data-count")) == len(events)
+    assert int(page.get_attribute("#event-count", "data-last-id")) == events[-1]["id"]
+    progress_steps = {e["data"]["step"] for e in events if e["type"] == "progress"}
+    assert progress_steps == set(range(1, 17))
+    assert int(page.get_attribute("#loss-chart", "data-points")) == 2 * len(progress_steps)
+    assert page.locator("#activity li").count() == sum(1 for e in events if e["type"] not in ("progress",)
+                                                      and not (e["type"] == "image" and e["data"].get("kind") == "preview"))
+    shot(page, "job-reloaded-1280")
+
+
+def test_configs_list_duplicate_raw_json_and_delete(page, server):
+    server.http.post("/api/configs", json={"name": "to-copy", "train_config": tiny_train_config(), "data_backends": tiny_backends()})
+    page.goto(f"{server.url}/configs")
+    page.wait_for_selector("body[data-ready]")
+    page.click('[aria-label="Duplicate to-copy"]')
+    page.wait_for_selector("body[data-ready]")
+    assert page.input_value("#config-name") == "to-copy-copy"
+    assert field(page, "train_config.max_train_steps").input_value() == "12"  # "--max_train_steps" read into the form
+
+    # the raw JSON view: edit, apply, and the form follows
+    page.click("#sec-raw > summary")
+    raw = page.locator("#raw-json")
+    text = raw.input_value().replace('"max_train_steps": 12', '"max_train_steps": 7')
+    raw.fill(text)
+    page.click("#raw-apply")
+    assert field(page, "train_config.max_train_steps").input_value() == "7"
+    raw.fill("{not json")
+    page.click("#raw-apply")
+    assert "not valid JSON" in page.inner_text("#raw-err")
+
+    page.click("#save-button")
+    page.wait_for_selector("#ok-summary:not([hidden])")
+    assert page.url.endswith("/configs/to-copy-copy")
+    saved = server.http.get("/api/configs/to-copy-copy").json()
+    assert saved["latest"]["train_config"]["max_train_steps"] == 7
+
+    page.goto(f"{server.url}/configs")
+    page.wait_for_selector('tr[data-config="to-copy-copy"]')
+    page.click('[aria-label="Delete to-copy-copy"]')
+    page.click('#delete-dialog button[value="delete"]')
+    page.wait_for_selector('tr[data-config="to-copy-copy"]', state="detached")
+    assert server.http.get("/api/configs/to-copy-copy").status_code == 404
+    shot(page, "configs-1280")
+
+
+def test_keyboard_and_narrow_window(page, server):
+    page.goto(f"{server.url}/queue")
+    page.wait_for_selector("body[data-ready]")
+    reached = []
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        reached.append(page.evaluate(
+            "(() => { const a = document.activeElement; return `${a.tagName.toLowerCase()}#${a.id}|${a.textContent.trim()}` })()"))
+    joined = "\n".join(reached)
+    for wanted in ("a#|Queue", "a#|Configs", "a#|Hardware", "select#submit-config", "button#submit-button|Queue job",
+                   "button#|Running"):
+        assert wanted in joined, f"Tab never reached {wanted}:\n{joined}"
+    for url in ("/queue", "/configs", "/configs/new", "/system"):
+        page.goto(f"{server.url}{url}")
+        page.wait_for_selector("body[data-ready]")
+        unlabeled = page.evaluate("""[...document.querySelectorAll('button, a[href]')]
+            .filter(b => !(b.textContent.trim() || b.getAttribute('aria-label'))).map(b => b.outerHTML)""")
+        assert not unlabeled, f"{url}: controls without a label: {unlabeled}"
+    page.goto(f"{server.url}/system")
+    page.wait_for_selector("body[data-ready]")
+    assert page.locator("input[type=radio]").count() == 3  # auto / manual / disabled
+    shot(page, "hardware-1280")
+
+    page.set_viewport_size({"width": 420, "height": 800})
+    for url, name in (("/queue", "queue-420"), ("/configs/new", "config-new-420"), ("/system", "hardware-420")):
+        page.goto(f"{server.url}{url}")
+        page.wait_for_selector("body[data-ready]")
+        assert not sideways_overflow(page), f"{url} scrolls sideways at 420px"
+        shot(page, name)
