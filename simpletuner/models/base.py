@@ -85,6 +85,15 @@ class ModelAdapter:
     def load_text_encoders(self) -> None:
         raise NotImplementedError
 
+    def quantize_text_encoders(self) -> None:
+        """Apply ``text_encoder_<n>_precision`` to the loaded text encoders (frozen, so any quanto type works)."""
+        for n, encoder in enumerate(self.text_encoders, start=1):
+            precision = getattr(self.config, f"text_encoder_{n}_precision", None) or "no_change"
+            if precision != "no_change":
+                from simpletuner.training.quantize import quantize_model
+
+                quantize_model(encoder, precision, exclude=[], field=f"text_encoder_{n}_precision")
+
     def unload_encoders(self) -> None:
         """Drop the VAE and text encoders (after caching they are not needed for training)."""
         self.vae = None

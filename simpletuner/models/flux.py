@@ -87,6 +87,7 @@ class FluxAdapter(ModelAdapter):
         ]
         for encoder in self.text_encoders:
             encoder.requires_grad_(False).eval().to(self.device)
+        self.quantize_text_encoders()
 
     @property
     def t5_max_length(self) -> int:
@@ -117,7 +118,9 @@ class FluxAdapter(ModelAdapter):
 
     def text_cache_identity(self) -> str:
         parts = [self.component_identity(c) for c in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
-        return "|".join(parts + [f"t5_len={self.t5_max_length}"])
+        # quantized encoders give (slightly) different embeddings, so their precision is part of the identity
+        precisions = [getattr(self.config, f"text_encoder_{n}_precision", None) or "no_change" for n in (1, 2)]
+        return "|".join(parts + [f"t5_len={self.t5_max_length}", f"precision={precisions}", str(self.weight_dtype)])
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,23 @@ def test_registry_imports_family_only_on_use():
             "assert 'simpletuner.models.flux' not in sys.modules; assert 'torch' not in sys.modules; "
             "registry.get_adapter_class('flux'); assert 'simpletuner.models.flux' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_text_encoder_precision_quantizes_the_encoders(tiny_flux_path):
+    from simpletuner.training.quantize import count_quantized
+
+    plain = FluxAdapter(flux_config())
+    plain.load_text_encoders()
+    quantized = FluxAdapter(flux_config(text_encoder_1_precision="int8-quanto", text_encoder_2_precision="int8-quanto"))
+    quantized.load_text_encoders()
+    assert [count_quantized(e) for e in plain.text_encoders] == [0, 0]
+    assert all(count_quantized(e) > 0 for e in quantized.text_encoders)
+    a = plain.encode_prompts(["a red circle"])[0].tensors["prompt_embeds"]
+    b = quantized.encode_prompts(["a red circle"])[0].tensors["prompt_embeds"]
+    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.1)  # int8 is close, not identical
+
+
+def test_text_cache_identity_changes_with_encoder_precision(tiny_flux_path):
+    a = FluxAdapter(flux_config()).text_cache_identity()
+    b = FluxAdapter(flux_config(text_encoder_2_precision="int8-quanto")).text_cache_identity()
+    assert a != b and a == FluxAdapter(flux_config()).text_cache_identity()
