@@ -17,3 +17,32 @@ def flux_config(**overrides):
 
 def namespace(**kwargs):
     return types.SimpleNamespace(**kwargs)
+
+
+def tiny_flux_transformer(seed: int = 0):
+    """A randomly initialised Flux-shaped transformer (2 double + 4 single blocks), built in memory."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def flux_transformer_inputs(seed: int = 1, batch: int = 2, img: int = 64, txt: int = 8):
+    """Keyword inputs for ``tiny_flux_transformer()``'s forward."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(batch, img, 16, generator=g),
+        encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
+        pooled_projections=torch.randn(batch, 32, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        img_ids=torch.randint(0, 8, (img, 3), generator=g).float(),
+        txt_ids=torch.zeros(txt, 3),
+        guidance=torch.full((batch,), 3.5),
+    )

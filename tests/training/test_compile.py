@@ -5,7 +5,6 @@ import logging
 import pytest
 import torch
 import torch.utils.checkpoint
-from diffusers import FluxTransformer2DModel
 
 from simpletuner.training import compile as compile_mod
 from simpletuner.training.compile import (
@@ -16,28 +15,7 @@ from simpletuner.training.compile import (
     transformer_blocks,
 )
 from simpletuner.training.tread import TreadLayout, apply_tread
-
-
-def tiny_flux(seed=0):
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )
-
-
-def flux_inputs(seed=1, batch=2, img=64, txt=8):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, img, 16, generator=g),
-        encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
-        pooled_projections=torch.randn(batch, 32, generator=g),
-        timestep=torch.rand(batch, generator=g),
-        img_ids=torch.randint(0, 8, (img, 3), generator=g).float(),
-        txt_ids=torch.zeros(txt, 3),
-        guidance=torch.full((batch,), 3.5),
-    )
+from tests.helpers import tiny_flux_transformer as tiny_flux, flux_transformer_inputs as flux_inputs
 
 
 def grads_of(model, tread_seed=None):

@@ -14,29 +14,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from simpletuner.training.offload import check_offload_options, enable_group_offload, group_offload_enabled
 from simpletuner.training.quantize import quantize_model
 from simpletuner.training.tread import TreadLayout, apply_tread
-from diffusers import FluxTransformer2DModel
-
-
-def tiny_flux(seed=0):
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )
-
-
-def flux_inputs(seed=1, batch=2, img=64, txt=8):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, img, 16, generator=g),
-        encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
-        pooled_projections=torch.randn(batch, 32, generator=g),
-        timestep=torch.rand(batch, generator=g),
-        img_ids=torch.randint(0, 8, (img, 3), generator=g).float(),
-        txt_ids=torch.zeros(txt, 3),
-        guidance=torch.full((batch,), 3.5),
-    )
+from tests.helpers import tiny_flux_transformer as tiny_flux, flux_transformer_inputs as flux_inputs
 
 
 def lora_flux(quantize=None):

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
 from optimum.quanto.nn import QLinear
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
 
@@ -14,31 +13,10 @@ from simpletuner.training.quantize import (
     quantize_model,
     weight_bytes,
 )
+from tests.helpers import tiny_flux_transformer as tiny_flux, flux_transformer_inputs as flux_inputs
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "proj_mlp", "ff.net.2"]
-
-
-def tiny_flux(seed=0):
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )
-
-
-def flux_inputs(seed=1, batch=2, img=64, txt=8):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, img, 16, generator=g),
-        encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
-        pooled_projections=torch.randn(batch, 32, generator=g),
-        timestep=torch.rand(batch, generator=g),
-        img_ids=torch.randint(0, 8, (img, 3), generator=g).float(),
-        txt_ids=torch.zeros(txt, 3),
-        guidance=torch.full((batch,), 3.5),
-    )
 
 
 def add_lora(model, seed=2):

@@ -2,20 +2,11 @@
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel
 
 from simpletuner.training.tread import TREADRouter, TreadLayout, apply_tread, resolve_routes
+from tests.helpers import tiny_flux_transformer as tiny_flux
 
 NUM_IMG, NUM_TXT = 64, 8
-
-
-def tiny_flux(seed=0):
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )
 
 
 def layout(t):
