@@ -184,6 +184,9 @@ class Evaluator:
             if self.is_main:
                 with preserve_rng_state(*self.generators):
                     self._work(step, transformer, metrics, validate, evaluate)
+            # every rank records the step, so all of them agree on on_end's barrier
+            self._last_validated = step if validate else self._last_validated
+            self._last_evaluated = step if evaluate else self._last_evaluated
             self.accelerator.wait_for_everyone()
         if self.is_main and metrics:
             if self.trackers is not None:
@@ -198,10 +201,8 @@ class Evaluator:
         model = self.accelerator.unwrap_model(transformer)
         if validate:
             metrics.update(self.validate(step, model))
-            self._last_validated = step
         if evaluate:
             metrics.update(self.evaluate(model))
-            self._last_evaluated = step
 
     def evaluate(self, model) -> dict[str, float]:
         """Eval loss of ``model`` (the unwrapped transformer) on the eval datasets."""

@@ -115,3 +115,27 @@ def test_missing_prompt_embedding_is_encoded_on_demand(make_setup, tiny_adapter)
     embedding = ev.prompt_embedding("a green square")
     assert ev.text_cache.has(text_key("a green square", tiny_adapter.text_cache_identity()))
     assert embedding["prompt_embeds"].shape[0] == tiny_adapter.t5_max_length
+
+
+class CountingAccelerator(CpuAccelerator):
+    def __init__(self, main: bool):
+        self.is_main_process = main
+        self.barriers = 0
+
+    def wait_for_everyone(self):
+        self.barriers += 1
+
+
+def test_every_rank_meets_the_same_barriers(make_setup, tiny_adapter, tiny_transformer):
+    config, backends = make_setup(validation_steps=2, validation_prompt="a red square", eval_steps_interval=3)
+    ranks = [CountingAccelerator(main=True), CountingAccelerator(main=False)]
+    reporters = [RecordingReporter(), RecordingReporter()]
+    for acc, reporter in zip(ranks, reporters):
+        ev = Evaluator(config, backends, tiny_adapter, acc, reporter)
+        for step in range(1, 5):
+            ev.on_step(step, tiny_transformer, loss=1.0)
+        # step 4 already had validation (on rank 0 only): no rank may wait for a final one; eval loss was
+        # last measured at step 3, so every rank waits once more for the final evaluation
+        ev.on_end(4, tiny_transformer)
+    assert ranks[0].barriers == ranks[1].barriers == 4  # steps 2, 3, 4 and the final evaluation
+    assert reporters[1].events == [] and reporters[0].events  # images and scores from the main process only
