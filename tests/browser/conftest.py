@@ -82,7 +82,7 @@ class Server:
     """`simpletuner server` in a subprocess (uvicorn on a free loopback port) with a private data dir and a
     working dir holding a copy of the sample dataset."""
 
-    def __init__(self, root: Path, name: str):
+    def __init__(self, root: Path, name: str, fake_gpus: int = 0):
         self.workdir = root / "work"
         self.data_dir = root / "data"
         shutil.copytree(REPO / "datasets" / "sample", self.workdir / "datasets" / "sample")
@@ -96,6 +96,13 @@ class Server:
         self.log_path = ARTIFACTS / f"server-{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SIMPLETUNER_API_TOKEN", None)
+        if fake_gpus:  # the server finds accelerators with `nvidia-smi -L`; this one lists made-up GPUs
+            bin_dir = root / "bin"
+            bin_dir.mkdir()
+            lines = "".join(f"echo 'GPU {i}: Fake GPU (UUID: GPU-fake-{i})'\n" for i in range(fake_gpus))
+            (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}")
+            (bin_dir / "nvidia-smi").chmod(0o755)
+            env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),

@@ -18,6 +18,11 @@ def field(page, path: str):
     return page.locator(f'[data-path="{path}"]').locator("input, select, textarea").first
 
 
+def until(page, expression: str, **kwargs) -> None:
+    """Wait until the JavaScript expression is true (as a function: the pages' CSP forbids eval of strings)."""
+    page.wait_for_function(f"() => ({expression})", **kwargs)
+
+
 def sideways_overflow(page) -> list[str]:
     """Elements reaching past the right edge of the window (empty when the page does not scroll sideways)."""
     return page.evaluate("""(() => {
@@ -59,10 +64,10 @@ def test_form_to_finished_job(page, server):
     dialog.wait_for(state="visible")
     dialog.locator('#browse-list button[data-path$="/datasets"]').click()
     dialog.locator('#browse-list button[data-path$="/datasets/sample"]').click()
-    page.wait_for_function("document.getElementById('browse-path').textContent.endsWith('/datasets/sample')")
+    until(page, "document.getElementById('browse-path').textContent.endsWith('/datasets/sample')")
     dialog.locator("#browse-choose").click()
     assert field(page, "data_backends[sample].instance_data_dir").input_value().endswith("/datasets/sample")
-    page.wait_for_function("document.querySelector('.backend-card .scan').textContent.includes('12 images')")
+    until(page, "document.querySelector('.backend-card .scan').textContent.includes('12 images')")
     field(page, "data_backends[sample].caption_strategy").select_option("textfile")
     field(page, "data_backends[sample].resolution").fill("-3")
     field(page, "data_backends[sample].resolution_type").select_option("pixel")
@@ -101,12 +106,12 @@ def test_form_to_finished_job(page, server):
     page.wait_for_selector("body[data-ready]")
 
     # progress bar and loss chart move
-    page.wait_for_function("Number(document.getElementById('loss-chart').dataset.points || 0) >= 2", timeout=180_000)
+    until(page, "Number(document.getElementById('loss-chart').dataset.points || 0) >= 2", timeout=180_000)
     first = int(page.get_attribute("[role=progressbar]", "aria-valuenow"))
     first_points = int(page.get_attribute("#loss-chart", "data-points"))
-    page.wait_for_function(f"Number(document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')) > {first}",
+    until(page, f"Number(document.querySelector('[role=progressbar]').getAttribute('aria-valuenow')) > {first}",
                            timeout=120_000)
-    page.wait_for_function(f"Number(document.getElementById('loss-chart').dataset.points) > {first_points}")
+    until(page, f"Number(document.getElementById('loss-chart').dataset.points) > {first_points}")
     assert page.locator("#loss-chart svg path").count() >= 2  # loss and learning-rate lines
     shot(page, "job-running-1280")
 
@@ -115,9 +120,9 @@ def test_form_to_finished_job(page, server):
     page.wait_for_selector("body[data-stream-ended]", timeout=30_000)
     assert page.get_attribute("[role=progressbar]", "aria-valuenow") == "100"
     assert page.inner_text("#stat-step") == "12 / 12"
-    page.wait_for_function("document.querySelectorAll('#checkpoints li[data-step]').length >= 1")
-    page.wait_for_function("document.getElementById('artefacts').textContent.includes('pytorch_lora_weights.safetensors')")
-    page.wait_for_function("document.getElementById('log').textContent.includes('Training')")
+    until(page, "document.querySelectorAll('#checkpoints li[data-step]').length >= 1")
+    until(page, "document.getElementById('artefacts').textContent.includes('pytorch_lora_weights.safetensors')")
+    until(page, "document.getElementById('log').textContent.includes('Training')")
     link = page.locator("#artefacts a", has_text="pytorch_lora_weights.safetensors").first
     assert page.evaluate(f"fetch({link.get_attribute('href')!r}).then(r => r.status)") == 200
 
@@ -147,34 +152,64 @@ def test_form_to_finished_job(page, server):
     shot(page, "job-finished-420")
 
 
-def test_reload_mid_run_misses_no_events(page, server):
-    created = server.http.post("/api/configs", json={"name": "tiny-flux-api", "train_config": tiny_train_config(max_train_steps=16),
+def test_queue_and_reload_mid_run_misses_no_events(page, server):
+    created = server.http.post("/api/configs", json={"name": "tiny-flux-api", "train_config": tiny_train_config(max_train_steps=30),
                                                      "data_backends": tiny_backends()})
     assert created.status_code == 201, created.text
-    job = server.http.post("/api/jobs", json={"config_name": "tiny-flux-api"}).json()
-    job_id = job["id"]
-    page.goto(f"{server.url}/jobs/{job_id}")
+
+    # submitted from the queue page, whose row follows the job live
+    page.goto(f"{server.url}/queue")
     page.wait_for_selector("body[data-ready]")
-    page.wait_for_function("Number(document.getElementById('loss-chart').dataset.points || 0) >= 6", timeout=180_000)
+    page.select_option("#submit-config", "tiny-flux-api")
+    page.fill("#submit-name", "reload-me")
+    page.click("#submit-button")
+    row = page.locator("tr[data-job]", has_text="reload-me")
+    row.wait_for()
+    job_id = int(row.get_attribute("data-job"))
+    until(page, f"""Number(document.querySelector('tr[data-job="{job_id}"] [role=progressbar]')
+        ?.getAttribute('aria-valuenow')) > 0""", timeout=180_000)
+    assert row.locator(".status").inner_text().lower() == "running"
+    shot(page, "queue-running-1280")
+
+    page.click(f'tr[data-job="{job_id}"] a[href="/jobs/{job_id}"]')
+    page.wait_for_selector("body[data-ready]")
+    until(page, "Number(document.getElementById('loss-chart').dataset.points || 0) >= 6", timeout=180_000)
     before = int(page.get_attribute("#event-count", "data-count"))
 
     page.reload()
     page.wait_for_selector("body[data-ready]")
     status = server.http.get(f"/api/jobs/{job_id}").json()
-    assert status["status"] == "running" and status["progress"]["step"] < 16, "the reload should happen mid-run"
+    assert status["status"] == "running" and status["progress"]["step"] < 30, "the reload should happen mid-run"
     # straight after the reload the replay already holds everything seen before it
-    page.wait_for_function(f"Number(document.getElementById('event-count').dataset.count) >= {before}")
+    until(page, f"Number(document.getElementById('event-count').dataset.count) >= {before}")
 
     page.wait_for_selector("body[data-stream-ended]", timeout=240_000)
     events = server.all_events(job_id)
     assert int(page.get_attribute("#event-count", "data-count")) == len(events)
     assert int(page.get_attribute("#event-count", "data-last-id")) == events[-1]["id"]
     progress_steps = {e["data"]["step"] for e in events if e["type"] == "progress"}
-    assert progress_steps == set(range(1, 17))
+    assert progress_steps == set(range(1, 31))
     assert int(page.get_attribute("#loss-chart", "data-points")) == 2 * len(progress_steps)
     assert page.locator("#activity li").count() == sum(1 for e in events if e["type"] not in ("progress",)
                                                       and not (e["type"] == "image" and e["data"].get("kind") == "preview"))
     shot(page, "job-reloaded-1280")
+
+    # back on the queue: filter, retry, cancel
+    page.goto(f"{server.url}/queue")
+    page.wait_for_selector("body[data-ready]")
+    page.click('#filters button[data-status="succeeded"]')
+    succeeded = server.http.get("/api/jobs", params={"status": "succeeded"}).json()["total"]
+    until(page, f"document.querySelectorAll('#jobs-body tr[data-job]').length === {succeeded}")
+    assert set(page.locator("#jobs-body tr[data-job]").evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"succeeded"}
+    page.click('#filters button[data-status=""]')
+    page.click(f'[aria-label="Retry job {job_id}"]')
+    retried = page.locator("#jobs-body tr[data-job]").first
+    until(page, f"Number(document.querySelector('#jobs-body tr[data-job]').dataset.job) > {job_id}")
+    new_id = int(retried.get_attribute("data-job"))
+    page.click(f'[aria-label="Cancel job {new_id}"]')
+    page.wait_for_selector(f'tr[data-job="{new_id}"][data-status="cancelled"]', timeout=60_000)
+    assert server.http.get(f"/api/jobs/{new_id}").json()["status"] == "cancelled"
+    shot(page, "queue-1280")
 
 
 def test_configs_list_duplicate_raw_json_and_delete(page, server):
