@@ -68,8 +68,15 @@ def restore_rng(state: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rank_rng_path(output_dir, step: int, rank: int) -> Path:
+    """Where a non-main rank leaves its RNG state for the main process to put into ``checkpoint-<step>``."""
+    return Path(output_dir) / f".rng-step{step}-rank{rank}.pt"
+
+
 def save_checkpoint(output_dir, step: int, *, trainable: dict[str, torch.Tensor], optimizer, lr_scheduler,
-                    generator: torch.Generator, training_state: dict, total_limit: int | None) -> Path:
+                    generator: torch.Generator, training_state: dict, total_limit: int | None,
+                    num_processes: int = 1) -> Path:
+    """Write ``checkpoint-<step>`` (main process). Other ranks first save theirs with ``rank_rng_path``."""
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"checkpoint-{step}"
@@ -79,6 +86,8 @@ def save_checkpoint(output_dir, step: int, *, trainable: dict[str, torch.Tensor]
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(generator), tmp / "rng.pt")
+        for rank in range(1, num_processes):  # each rank draws its own noise; each resumes with its own RNG
+            os.replace(rank_rng_path(root, step, rank), tmp / f"rng-rank{rank}.pt")
         (tmp / "training_state.json").write_text(json.dumps({**training_state, "global_step": step}, indent=2))
         if final.exists():  # re-running the same step (e.g. after resume): replace
             shutil.rmtree(final)
@@ -92,10 +101,15 @@ def save_checkpoint(output_dir, step: int, *, trainable: dict[str, torch.Tensor]
     return final
 
 
-def load_checkpoint(path: Path, *, optimizer, lr_scheduler, generator: torch.Generator) -> tuple[dict, dict]:
-    """Restore optimizer, scheduler and RNG; returns (trainable weights, training_state)."""
+def load_checkpoint(path: Path, *, optimizer, lr_scheduler, generator: torch.Generator,
+                    rank: int = 0) -> tuple[dict, dict]:
+    """Restore optimizer, scheduler and this rank's RNG; returns (trainable weights, training_state)."""
     trainable = load_file(path / "trainable.safetensors")
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    restore_rng(torch.load(path / "rng.pt", weights_only=False), generator)
+    rng_file = path / (f"rng-rank{rank}.pt" if rank else "rng.pt")
+    if not rng_file.is_file():
+        raise FileNotFoundError(f"resume_from_checkpoint: {path} has no RNG state for process {rank} "
+                                "(it was saved by a run with fewer processes)")
+    restore_rng(torch.load(rng_file, weights_only=False), generator)
     return trainable, json.loads((path / "training_state.json").read_text())

@@ -305,7 +305,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     resume_path = ckpt.resolve_resume(output_dir, config.resume_from_checkpoint)
     if resume_path is not None:
         trainable, state = ckpt.load_checkpoint(resume_path, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                                generator=generator)
+                                                generator=generator, rank=accelerator.process_index)
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
         global_step, epoch, batch_in_epoch = state["global_step"], state["epoch"], state["batch_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, global_step, epoch, batch_in_epoch)
@@ -400,6 +400,9 @@ def _load_trainable(model, state, config, source: str) -> None:
 
 def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
                 global_step, epoch, batch_in_epoch):
+    if not accelerator.is_main_process:
+        torch.save(ckpt.rng_state(generator), ckpt.rank_rng_path(config.output_dir, global_step,
+                                                                accelerator.process_index))
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
@@ -408,7 +411,7 @@ def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, gener
         trainable=_trainable_state(accelerator.unwrap_model(transformer), config),
         optimizer=optimizer, lr_scheduler=lr_scheduler, generator=generator,
         training_state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
-        total_limit=config.checkpoints_total_limit,
+        total_limit=config.checkpoints_total_limit, num_processes=accelerator.num_processes,
     )
     log.info("saved %s", path)
     reporter.checkpoint(global_step, str(path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -277,12 +278,22 @@ def test_tread_route_past_the_model_depth_is_refused(tmp_path, sample_dataset):
 
 def test_two_processes_train_as_two_ranks(tmp_path, sample_dataset):
     config, output = write_run(tmp_path, sample_dataset, max_train_steps=4, lr_warmup_steps=0,
-                               checkpointing_steps=2)
+                               checkpointing_steps=2, checkpoints_total_limit=None)
     proc = simpletuner("train", "--config", str(config), "--num_processes", "2")
     assert "process 0 of 2" in proc.stderr and "process 1 of 2" in proc.stderr
     assert sorted(losses(output)) == [1, 2, 3, 4]
     assert (output / "checkpoint-4" / "trainable.safetensors").is_file()
+    assert (output / "checkpoint-4" / "rng-rank1.pt").is_file()  # each rank resumes with its own RNG
     assert (output / "pytorch_lora_weights.safetensors").is_file()
+    assert not [p for p in output.iterdir() if p.name.startswith(".")]
+    # resume both ranks from step 2: the same losses as the uninterrupted two-process run
+    reference = losses(output)
+    for p in output.iterdir():
+        if p.name != "checkpoint-2":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    proc = simpletuner("train", "--config", str(config), "--num_processes", "2")
+    assert "resumed from" in proc.stderr
+    assert losses(output) == pytest.approx({s: reference[s] for s in (3, 4)}, rel=1e-5)
 
 
 def test_full_finetune_saves_a_transformer_that_diffusers_loads(tmp_path, sample_dataset):
