@@ -267,7 +267,15 @@ def _at_depth(fraction: float, depth: int) -> int:
 
 
 def write_tiny_flux(folder: Path, seed: int = 0) -> None:
-    """Write a random-initialised Flux in the diffusers layout: model_index.json + one folder per component."""
+    """Write a random-initialised Flux in the diffusers layout: model_index.json + one folder per component.
+
+    Seeded on a forked RNG, so writing it in the middle of a run does not change that run's random draws.
+    """
+    with torch.random.fork_rng(devices=[]):
+        _write_tiny_flux(folder, seed)
+
+
+def _write_tiny_flux(folder: Path, seed: int) -> None:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer = tiny.clip_tokenizer(77)

@@ -13,6 +13,7 @@ import math
 import signal
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,6 +256,16 @@ def compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
     return F.mse_loss(pred.float(), target.float())
 
 
+@contextmanager
+def _closing(evaluator):
+    """Close the trackers when the loop ends early (SIGTERM, an error); on_end closes them otherwise."""
+    try:
+        yield
+    except BaseException:
+        evaluator.close()
+        raise
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
 
@@ -319,7 +330,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     bar = tqdm(total=max_steps, initial=global_step, desc="Training", disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), global_step
     accumulated = 0.0
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, _closing(evaluator):
         while global_step < max_steps:
             batches = data.sampler.epoch_batches(epoch)
             mine = batches[accelerator.process_index::accelerator.num_processes]
