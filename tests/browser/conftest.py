@@ -103,13 +103,17 @@ class Server:
             (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}")
             (bin_dir / "nvidia-smi").chmod(0o755)
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        self.env = env
         self.log = open(self.log_path, "w")
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.start()
+
+    def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),
              "--data-dir", str(self.data_dir), "--launcher", "python", "--cancel-grace", "5",
              "--stop-jobs-on-exit", "--log-level", "warning"],
-            cwd=self.workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+            cwd=self.workdir, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while True:
             try:
@@ -120,6 +124,13 @@ class Server:
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"server did not start; see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.2)
+
+    def crash_and_restart(self) -> None:
+        """SIGKILL the server (its trainers run on in their own sessions) and start it again on the same port
+        and database; the new server adopts the running jobs."""
+        self.proc.kill()
+        self.proc.wait(10)
+        self.start()
 
     def all_events(self, job_id: int) -> list[dict]:
         out, after = [], 0

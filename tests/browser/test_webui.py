@@ -153,7 +153,7 @@ def test_form_to_finished_job(page, server):
 
 
 def test_queue_and_reload_mid_run_misses_no_events(page, server):
-    created = server.http.post("/api/configs", json={"name": "tiny-flux-api", "train_config": tiny_train_config(max_train_steps=30),
+    created = server.http.post("/api/configs", json={"name": "tiny-flux-api", "train_config": tiny_train_config(max_train_steps=60),
                                                      "data_backends": tiny_backends()})
     assert created.status_code == 201, created.text
 
@@ -179,7 +179,7 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     page.reload()
     page.wait_for_selector("body[data-ready]")
     status = server.http.get(f"/api/jobs/{job_id}").json()
-    assert status["status"] == "running" and status["progress"]["step"] < 30, "the reload should happen mid-run"
+    assert status["status"] == "running" and status["progress"]["step"] < 60, "the reload should happen mid-run"
     # straight after the reload the replay already holds everything seen before it
     until(page, f"Number(document.getElementById('event-count').dataset.count) >= {before}")
 
@@ -188,7 +188,7 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     assert int(page.get_attribute("#event-count", "data-count")) == len(events)
     assert int(page.get_attribute("#event-count", "data-last-id")) == events[-1]["id"]
     progress_steps = {e["data"]["step"] for e in events if e["type"] == "progress"}
-    assert progress_steps == set(range(1, 31))
+    assert progress_steps == set(range(1, 61))
     assert int(page.get_attribute("#loss-chart", "data-points")) == 2 * len(progress_steps)
     assert page.locator("#activity li").count() == sum(1 for e in events if e["type"] not in ("progress",)
                                                       and not (e["type"] == "image" and e["data"].get("kind") == "preview"))
@@ -210,6 +210,30 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     page.wait_for_selector(f'tr[data-job="{new_id}"][data-status="cancelled"]', timeout=60_000)
     assert server.http.get(f"/api/jobs/{new_id}").json()["status"] == "cancelled"
     shot(page, "queue-1280")
+
+
+def test_job_page_resumes_after_the_server_restarts(page, server):
+    server.http.post("/api/configs", json={"name": "tiny-flux-restart", "train_config": tiny_train_config(max_train_steps=60),
+                                           "data_backends": tiny_backends()}).raise_for_status()
+    job_id = server.http.post("/api/jobs", json={"config_name": "tiny-flux-restart"}).json()["id"]
+    page.goto(f"{server.url}/jobs/{job_id}")
+    page.wait_for_selector("body[data-ready]")
+    until(page, "Number(document.getElementById('loss-chart').dataset.points || 0) >= 4", timeout=180_000)
+    seen = int(page.get_attribute("#event-count", "data-last-id"))
+
+    server.crash_and_restart()  # the page's stream drops; EventSource reconnects with Last-Event-ID
+    assert server.http.get(f"/api/jobs/{job_id}").json()["status"] == "running"  # adopted by the new server
+    page.wait_for_selector("body[data-stream-ended]", timeout=240_000)
+    events = server.all_events(job_id)
+    assert any(e["type"] == "job" and e["data"].get("adopted") for e in events)
+    assert events[-1]["id"] > seen
+    assert int(page.get_attribute("#event-count", "data-count")) == len(events)
+    assert int(page.get_attribute("#event-count", "data-last-id")) == events[-1]["id"]
+    assert {e["data"]["step"] for e in events if e["type"] == "progress"} == set(range(1, 61))
+    assert page.get_attribute("body", "data-status") == "succeeded"
+    # while the server was down, the reconnect attempts and log polls failed; nothing else may have
+    expected = ("ERR_CONNECTION_REFUSED", "ERR_EMPTY_RESPONSE", "ERR_INCOMPLETE_CHUNKED_ENCODING", "ERR_CONNECTION_RESET")
+    page.errors[:] = [e for e in page.errors if not any(x in e for x in expected)]
 
 
 def test_configs_list_duplicate_raw_json_and_delete(page, server):
