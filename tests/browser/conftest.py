@@ -62,7 +62,7 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser(chromium_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed "
                                                                   "(pip install playwright)")
@@ -82,7 +82,8 @@ class Server:
     """`simpletuner server` in a subprocess (uvicorn on a free loopback port) with a private data dir and a
     working dir holding a copy of the sample dataset."""
 
-    def __init__(self, root: Path, name: str, fake_gpus: int = 0):
+    def __init__(self, root: Path, name: str, fake_gpus: int = 0, extra_args: tuple[str, ...] = ()):
+        self.extra_args = list(extra_args)
         self.workdir = root / "work"
         self.data_dir = root / "data"
         shutil.copytree(REPO / "datasets" / "sample", self.workdir / "datasets" / "sample")
@@ -105,14 +106,16 @@ class Server:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
         self.env = env
         self.log = open(self.log_path, "w")
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        token = next((a.split("=", 1)[1] for a in self.extra_args if a.startswith("--token=")), None)
+        self.http = httpx.Client(base_url=self.url, timeout=30,
+                                 headers={"Authorization": f"Bearer {token}"} if token else None)
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),
              "--data-dir", str(self.data_dir), "--launcher", "python", "--cancel-grace", "5",
-             "--stop-jobs-on-exit", "--log-level", "warning"],
+             "--stop-jobs-on-exit", "--log-level", "warning", *self.extra_args],
             cwd=self.workdir, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while True:

@@ -66,3 +66,24 @@ def test_multi_gpu_choice_sets_num_processes(page, gpu_server):
     page.check('input[type=radio][value="disabled"]')
     assert submitted_processes(page, gpu_server) == 1
     assert "multi-GPU off" in page.inner_text("#submit-gpus")
+
+
+def test_remote_style_server_asks_for_the_token(page, tmp_path_factory):
+    """With --require-token even loopback needs the token: the page asks for it once, then everything works
+    (fetch with the Authorization header, EventSource with ?token=)."""
+    srv = Server(tmp_path_factory.mktemp("token"), "test_token", extra_args=("--require-token", "--token=s3cret-token"))
+    try:
+        page.goto(f"{srv.url}/queue")
+        page.wait_for_selector("#token-dialog[open]")
+        page.fill("#token-input", "s3cret-token")
+        page.click('#token-dialog button[value="save"]')
+        page.wait_for_selector("body[data-ready]")
+        page.wait_for_selector("#live-text:has-text('live')")
+        assert "0 jobs" in page.inner_text("#queue-summary")
+        assert page.is_visible("#token-button")
+        shot(page, "token-1280")
+    finally:
+        page.goto("about:blank")  # close the event stream before its server goes
+        srv.close()
+    # only the first, token-less calls were refused
+    page.errors[:] = [e for e in page.errors if "status of 401" not in e]

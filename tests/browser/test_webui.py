@@ -261,6 +261,16 @@ def test_configs_list_duplicate_raw_json_and_delete(page, server):
     assert page.url.endswith("/configs/to-copy-copy")
     saved = server.http.get("/api/configs/to-copy-copy").json()
     assert saved["latest"]["train_config"]["max_train_steps"] == 7
+    assert "--max_train_steps" not in saved["latest"]["train_config"]  # one spelling per key
+
+    # editing a stored config adds a version
+    field(page, "train_config.lora_rank").fill("4")
+    page.fill("#config-comment", "smaller rank")
+    page.click("#save-button")
+    page.wait_for_selector("#ok-summary:has-text('version 2')")
+    versions = server.http.get("/api/configs/to-copy-copy/versions").json()
+    assert [v["version"] for v in versions] == [2, 1] and versions[0]["comment"] == "smaller rank"
+    assert server.http.get("/api/configs/to-copy-copy").json()["latest"]["train_config"]["lora_rank"] == 4
 
     page.goto(f"{server.url}/configs")
     page.wait_for_selector('tr[data-config="to-copy-copy"]')

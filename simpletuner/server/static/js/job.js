@@ -62,6 +62,9 @@ function renderJob() {
   cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel";
   document.getElementById("retry-button").hidden = !FINISHED.has(job.status);
   if (job.progress) applyProgress(job.progress);
+  else if (job.status === "queued") {
+    document.getElementById("progress-label").textContent = job.queue_position ? `queued, #${job.queue_position} in line` : "queued";
+  }
   if (job.status === "succeeded") {
     setProgress(bar, 1, 1);
     document.getElementById("stat-eta").textContent = "done";
