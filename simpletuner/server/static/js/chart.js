@@ -9,11 +9,11 @@ function svg(tag, attrs = {}, text) {
   return node;
 }
 
-function niceTicks(lo, hi, count = 5) {
+function niceTicks(lo, hi, count = 5, minStep = 0) {
   if (!(hi > lo)) { const pad = Math.abs(lo) * 0.1 || 1; lo -= pad; hi += pad; }
-  const raw = (hi - lo) / count;
+  const raw = Math.max((hi - lo) / count, minStep);
   const mag = 10 ** Math.floor(Math.log10(raw));
-  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw && (!minStep || Number.isInteger(s))) || raw;
   const start = Math.floor(lo / step) * step;
   const ticks = [];
   for (let v = start; v <= hi + step * 0.5; v += step) ticks.push(Number(v.toPrecision(12)));
@@ -146,7 +146,7 @@ export class LineChart {
           : { x: w - m.r + 6, y: y + 4, "text-anchor": "start" }, label(v)));
       }
     }
-    const xt = niceTicks(x0, x1, Math.max(2, Math.floor((w - m.l - m.r) / 80)));
+    const xt = niceTicks(x0, x1, Math.max(2, Math.floor((w - m.l - m.r) / 80)), 1); // steps are whole numbers
     for (const v of xt.ticks) {
       if (v < x0 || v > x1) continue;
       text.append(svg("text", { x: sx(v), y: h - m.b + 16, "text-anchor": "middle" }, label(v)));

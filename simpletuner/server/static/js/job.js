@@ -278,7 +278,7 @@ async function pollLog() {
       if (atBottom) pre.scrollTop = pre.scrollHeight;
     }
   } catch { /* retried below */ }
-  if (!job || !FINISHED.has(job.status)) logTimer = setTimeout(pollLog, 2000);
+  if (!job || !FINISHED.has(job.status)) logTimer = setTimeout(pollLog, 1500);
 }
 
 // ---- files: checkpoints and artefacts ----------------------------------------------------------------
@@ -297,14 +297,20 @@ function fileLink(f) {
 function renderCheckpoints() {
   const list = document.getElementById("checkpoints");
   if (!checkpoints.size) return;
-  const items = [...checkpoints.values()].sort((a, b) => b.step - a.step).map((c) => {
+  const all = [...checkpoints.values()].sort((a, b) => b.step - a.step);
+  const items = [];
+  const removed = [];
+  for (const c of all) {
     const r = rel(c.path);
     const inside = r ? files.filter((f) => f.path.startsWith(`${r}/`)) : [];
+    if (files.length && r && !inside.length) { removed.push(c.step); continue; }
     const body = el("div", {}, el("strong", {}, `step ${c.step}`), " ", el("span", { class: "muted small" }, r || c.path));
     if (inside.length) body.append(el("ul", { class: "small" }, inside.map((f) => el("li", {}, fileLink(f), ` ${fmtBytes(f.size)}`))));
-    else if (files.length && r) body.append(el("div", { class: "muted small" }, "removed (checkpoints_total_limit)"));
-    return el("li", { "data-step": c.step }, body);
-  });
+    items.push(el("li", { "data-step": c.step }, body));
+  }
+  if (removed.length) {
+    items.push(el("li", { class: "muted small" }, `step${removed.length === 1 ? "" : "s"} ${removed.join(", ")}: removed (checkpoints_total_limit)`));
+  }
   list.replaceChildren(...items);
 }
 
