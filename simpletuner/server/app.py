@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse
 
 from simpletuner import __version__
 
@@ -92,11 +92,6 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(jobs.router, dependencies=auth)
     app.include_router(datasets.router, dependencies=auth)
     app.include_router(schema.router, dependencies=auth)
-    app.include_router(ui.router)  # the web UI's pages (before "/" below, which it serves)
+    app.include_router(ui.router)  # the web UI's pages, "/" included
     app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
-
-    @app.get("/", include_in_schema=False)
-    def root() -> RedirectResponse:
-        return RedirectResponse("/docs")
-
     return app

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from .db import Database
 from .queue import JobManager
 from .settings import ServerSettings
-from .validation import FieldProblem, InvalidConfig
+from .validation import FieldProblem
 
 
 def db(request: Request) -> Database:

@@ -5,7 +5,6 @@ import json
 import secrets
 import time
 
-import pytest
 from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app

@@ -1,6 +1,5 @@
 """Jobs through real HTTP and real processes (an in-process uvicorn, the fake trainer)."""
 
-import os
 import time
 from pathlib import Path
 

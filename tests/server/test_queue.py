@@ -1,7 +1,6 @@
 """Claiming is exclusive across servers sharing a database; restarts reconcile left-over running jobs."""
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -164,3 +163,8 @@ def test_strict_priority_waits_for_devices(tmp_path, workdir, monkeypatch):
     while mgr._start_next():
         pass
     assert started[1] == (two, ["0", "1"])
+    assert len(started) == 2  # the 1-GPU job submitted last still waits: both devices are busy
+    mgr.procs.clear()
+    while mgr._start_next():
+        pass
+    assert started[2] == (small, ["0"])
