@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app
-from tests.server.conftest import LOOPBACK, REMOTE, make_settings
+from tests.server.helpers import LOOPBACK, REMOTE, make_settings
 
 PAGES = ["/queue", "/configs", "/configs/new", "/configs/tiny-flux", "/jobs/1", "/system"]
 

@@ -5,7 +5,7 @@ from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app
 
-from conftest import LOOPBACK, REMOTE
+from tests.server.helpers import LOOPBACK, REMOTE
 
 
 @pytest.fixture

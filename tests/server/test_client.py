@@ -9,7 +9,7 @@ from simpletuner.server import cli as server_cli
 from simpletuner.server import client as jobs_cli
 from simpletuner.server.client import parse_sse
 
-from conftest import data_backends, train_config
+from tests.server.helpers import data_backends, train_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import data_backends, train_config
+from tests.server.helpers import data_backends, train_config
 
 
 def _create(client, name="tiny", **extra):

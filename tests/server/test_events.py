@@ -11,7 +11,7 @@ from simpletuner.server.app import create_app
 from simpletuner.server.db import JobRow
 from simpletuner.training.webhooks import SIGNATURE_HEADER, sign
 
-from conftest import PNG, REMOTE, job_body
+from tests.server.helpers import PNG, REMOTE, job_body
 
 
 def _running_job(client) -> tuple[int, str]:

@@ -7,7 +7,7 @@ import pytest
 
 from simpletuner.server.queue import group_alive
 
-from conftest import job_body
+from tests.server.helpers import job_body
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from simpletuner.server.broker import EventBroker
 from simpletuner.server.db import Database, JobRow
 from simpletuner.server.queue import SERVER_RESTARTED, JobManager, group_alive
 
-from conftest import data_backends, make_settings, train_config
+from tests.server.helpers import data_backends, make_settings, train_config
 
 pytestmark = pytest.mark.timeout(60)
 

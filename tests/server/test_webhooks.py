@@ -9,7 +9,7 @@ import pytest
 
 from simpletuner.training.webhooks import SIGNATURE_HEADER, WebhookReporter, sign, verify
 
-from conftest import PNG
+from tests.server.helpers import PNG
 
 pytestmark = pytest.mark.timeout(60)
 
