@@ -21,10 +21,19 @@ want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1) $TORC
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+log="$VENV/install.log"
+pip_install() {  # pip's and the build backend's chatter goes to the log, shown only when something fails
+  if ! "$VENV/bin/python" -m pip install "$@" >>"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "install failed: pip install $* (full log: $log)" >&2
+    exit 1
+  fi
+}
+: >"$log"
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '${TORCH_SPEC#torch==}' else 1)" 2>/dev/null; then
   echo "==> installing $TORCH_SPEC"
-  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+  pip_install "$TORCH_SPEC"
 fi
 echo "==> installing simpletuner$EXTRAS"
-"$VENV/bin/python" -m pip install -q -e ".$EXTRAS"
+pip_install -e ".$EXTRAS"
 echo "$want" > "$stamp"
