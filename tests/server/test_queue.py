@@ -28,8 +28,32 @@ def _queue(mgr: JobManager, n: int, **kw) -> list[int]:
     return [mgr.submit(train_config=train_config(), data_backends=data_backends(), **kw).id for _ in range(n)]
 
 
-def test_two_servers_sharing_a_database_never_claim_the_same_job(tmp_path, workdir, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
+@pytest.fixture(scope="module")
+def postgres_url():
+    from tests.server.postgres import running_postgres
+
+    pytest.importorskip("psycopg", reason="the psycopg driver is part of the test extras")
+    with running_postgres() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'shared.db'}"
+    url = request.getfixturevalue("postgres_url")
+    from sqlalchemy import create_engine
+
+    from simpletuner.server.db import Base
+
+    engine = create_engine(url)  # each test starts from empty tables
+    Base.metadata.drop_all(engine)
+    engine.dispose()
+    return url
+
+
+def test_two_servers_sharing_a_database_never_claim_the_same_job(tmp_path, workdir, monkeypatch, shared_db_url):
+    url = shared_db_url
     a = _manager(tmp_path, workdir, url, max_concurrent=100)
     b = _manager(tmp_path, workdir, url, max_concurrent=100)
     ids = _queue(a, 40)
