@@ -320,6 +320,10 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
         global_step, epoch, batch_in_epoch = state["global_step"], state["epoch"], state["batch_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, global_step, epoch, batch_in_epoch)
+        if global_step >= max_steps:
+            log.warning("%s is already at max_train_steps=%d: nothing left to train; raise max_train_steps "
+                        "(or num_train_epochs) to continue, or set resume_from_checkpoint to null to start over",
+                        resume_path, max_steps)
 
     # ---- loop ----
     losses: list[float] = []
@@ -376,7 +380,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    result = TrainResult(str(output_dir), global_step, losses[-1] if losses else None, losses=losses,
+    final_loss = losses[-1] if losses else _last_logged_loss(loss_log)
+    result = TrainResult(str(output_dir), global_step, final_loss, losses=losses,
                          vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards,
                          latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded)
     if accelerator.is_main_process:
@@ -390,6 +395,14 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
     accelerator.end_training()
     return result
+
+
+def _last_logged_loss(loss_log: Path) -> float | None:
+    """The newest loss in training_log.jsonl (a resumed run that had nothing left to train reports it)."""
+    if not loss_log.is_file():
+        return None
+    lines = loss_log.read_text().strip().splitlines()
+    return json.loads(lines[-1])["loss"] if lines else None
 
 
 def _trainable_state(model, config) -> dict[str, torch.Tensor]:

@@ -187,7 +187,12 @@ def test_sigterm_stops_cleanly_and_latest_resumes(tmp_path, sample_dataset):
     cfg["--max_train_steps"] = last + 3
     config.write_text(json.dumps(cfg))
     simpletuner("train", "--config", str(config))
-    assert json.loads((output / "run_summary.json").read_text())["global_step"] == last + 3
+    summary = json.loads((output / "run_summary.json").read_text())
+    assert summary["global_step"] == last + 3
+    # run again: nothing is left to train, and the run says so instead of silently doing nothing
+    proc = simpletuner("train", "--config", str(config))
+    assert "nothing left to train" in proc.stderr
+    assert json.loads((output / "run_summary.json").read_text())["final_loss"] == summary["final_loss"]
 
 
 def test_second_run_encodes_nothing_and_a_changed_image_only_itself(trained, tmp_path):
