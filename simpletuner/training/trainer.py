@@ -376,6 +376,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
             if batch_in_epoch >= len(mine):
                 epoch, batch_in_epoch = epoch + 1, 0
     bar.close()
+    if (config.checkpointing_steps and global_step > 0 and global_step % config.checkpointing_steps
+            and not (output_dir / f"checkpoint-{global_step}").exists()):
+        # a finished run ends on a checkpoint, so raising max_train_steps later continues exactly from here
+        _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
+                    global_step, epoch, batch_in_epoch)
     evaluator.on_end(global_step, transformer)
 
     # ---- save ----
