@@ -7,8 +7,10 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from simpletuner import __version__
 
@@ -73,6 +75,12 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     async def _invalid_config(_request: Request, exc: InvalidConfig) -> JSONResponse:
         return JSONResponse(status_code=422, content={
             "detail": "invalid config", "errors": [{"path": e.path, "message": e.message} for e in exc.errors]})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404 and ui.wants_html(request):
+            return ui.not_found(request, f"Nothing lives at {request.url.path}.")
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:

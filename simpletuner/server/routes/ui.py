@@ -3,6 +3,7 @@ from the REST API (so the shells hold nothing a token would protect) and follows
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -45,6 +46,17 @@ def render(request: Request, template: str, title: str, **context) -> HTMLRespon
     return HTMLResponse(html, headers=PAGE_HEADERS)
 
 
+def not_found(request: Request, message: str) -> HTMLResponse:
+    """The HTML 404 page (browsers get this; API clients keep JSON errors)."""
+    response = render(request, "not_found.html", "Not found", page="", message=message)
+    response.status_code = 404
+    return response
+
+
+def wants_html(request: Request) -> bool:
+    return not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", "")
+
+
 @router.get("/")
 def home() -> RedirectResponse:
     return RedirectResponse("/queue")
@@ -71,14 +83,17 @@ def new_config_page(request: Request) -> HTMLResponse:
 
 
 @router.get("/configs/{name}", response_class=HTMLResponse)
-def edit_config_page(request: Request,
-                     name: Annotated[str, PathParam(pattern=NAME_PATTERN, max_length=200)]) -> HTMLResponse:
+def edit_config_page(request: Request, name: Annotated[str, PathParam(max_length=200)]) -> HTMLResponse:
+    if not re.fullmatch(NAME_PATTERN, name):
+        return not_found(request, f"{name!r} is not a config name (letters, digits, '.', '_' and '-').")
     return render(request, "config_edit.html", f"Config {name}", page="configs", config_name=name)
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: Annotated[int, PathParam(ge=1, le=MAX_ID)]) -> HTMLResponse:
-    return render(request, "job.html", f"Job {job_id}", page="queue", job_id=job_id)
+def job_page(request: Request, job_id: Annotated[str, PathParam(max_length=40)]) -> HTMLResponse:
+    if not job_id.isdigit() or not 1 <= int(job_id) <= MAX_ID:
+        return not_found(request, f"There is no job {job_id!r}: job ids are whole numbers.")
+    return render(request, "job.html", f"Job {job_id}", page="queue", job_id=int(job_id))
 
 
 @router.get("/system", response_class=HTMLResponse)
