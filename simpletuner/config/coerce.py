@@ -16,37 +16,34 @@ from pydantic import BaseModel, BeforeValidator
 _NULL_STRINGS = frozenset({"", "none", "null"})
 
 
+def _parse_number(text: str) -> int | float | None:
+    """``"500"`` -> 500, ``"1e-4"`` -> 0.0001, anything else -> None."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def _int_like(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            return int(text)
-        except ValueError:
-            pass
-        try:
-            number = float(text)
-        except ValueError:
-            return value  # let pydantic report it
-        if number.is_integer():
-            return int(number)
-    return value
+    number = _parse_number(value) if isinstance(value, str) else value
+    if isinstance(number, float) and number.is_integer():
+        return int(number)
+    return number if isinstance(number, int) else value  # anything else: let pydantic report it
 
 
 def _number(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {value!r}")
     if isinstance(value, str):
-        text = value.strip()
-        try:
-            return int(text)
-        except ValueError:
-            pass
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {value!r}") from None
+        number = _parse_number(value)
+        if number is None:
+            raise ValueError(f"expected a number, got {value!r}")
+        return number
     return value
 
 
