@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 
 _NULL_STRINGS = frozenset({"", "none", "null"})
 
@@ -155,3 +155,14 @@ def parse_resolution_list(text: str) -> list[tuple[int, int]]:
             raise ValueError(f"{item!r}: width and height must be > 0")
         sizes.append((width, height))
     return sizes
+
+
+class StrictModel(BaseModel):
+    """Base for config entries: unknown keys are errors, SimpleTuner's value spellings are accepted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        return normalise_values(cls, data)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from .coerce import Int, Number, check_resolution, normalise_values
+from .coerce import Int, Number, StrictModel, check_resolution
 from .errors import ConfigError, FieldError, errors_from_validation
 from .train import TrainConfig
 
@@ -56,16 +56,7 @@ def _field(default: Any, description: str, **kwargs: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"group": "data"}, **kwargs)
 
 
-class _Backend(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        return normalise_values(cls, data)
-
-
-class DatasetBackend(_Backend):
+class DatasetBackend(StrictModel):
     """A folder of training (``image``) or held-out evaluation (``eval``) images with captions."""
 
     id: str = _field(..., "unique name of the dataset; also names its caches", min_length=1)
@@ -128,7 +119,7 @@ class DatasetBackend(_Backend):
         return self
 
 
-class TextEmbedsBackend(_Backend):
+class TextEmbedsBackend(StrictModel):
     """Where prompt embeddings are cached."""
 
     id: str = _field(..., "unique name of the backend", min_length=1)
@@ -249,7 +240,7 @@ def parse_data_backends(
             errors.extend(not_yet)
             failed_kinds.add(kind)
             continue
-        model: type[_Backend] = TextEmbedsBackend if kind == "text_embeds" else DatasetBackend
+        model: type[StrictModel] = TextEmbedsBackend if kind == "text_embeds" else DatasetBackend
         known = model.model_fields
         for key in list(entry):
             if key not in known:

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from .coerce import Int, Number, check_resolution, normalise_values, parse_resolution_list
+from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
 from .errors import ConfigError, FieldError
 from .families import FAMILIES, ModelFamily, check_flavour, family_names, get_family
 from .versions import CURRENT_CONFIG_VERSION
@@ -34,21 +34,10 @@ def _field(default: Any, group: str, description: str, **kwargs: Any) -> Any:
     return Field(default, description=description, json_schema_extra=extra, **kwargs)
 
 
-class _Strict(BaseModel):
-    """Base for nested config objects: unknown keys are errors, SimpleTuner's value spellings are accepted."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        return normalise_values(cls, data)
-
-
 # --- TREAD ---------------------------------------------------------------------------------------------------
 
 
-class TreadRoute(_Strict):
+class TreadRoute(StrictModel):
     """One token-routing window: ``selection_ratio`` of the image tokens skip blocks start..end (inclusive)."""
 
     selection_ratio: float = Field(
@@ -80,7 +69,7 @@ def _window_errors(windows: Sequence[tuple[int, int]], path: str) -> list[FieldE
     return errors
 
 
-class TreadConfig(_Strict):
+class TreadConfig(StrictModel):
     """SimpleTuner's ``tread_config``: ``{"routes": [{"selection_ratio", "start_layer_idx", "end_layer_idx"}, ...]}``."""
 
     routes: list[TreadRoute] = Field(default_factory=list, description="token-routing windows")
@@ -146,7 +135,7 @@ def resolve_tread_routes(
 # --- webhooks ------------------------------------------------------------------------------------------------
 
 
-class WebhookConfig(_Strict):
+class WebhookConfig(StrictModel):
     """One webhook target, in SimpleTuner's format."""
 
     webhook_type: Literal["raw", "discord"] = Field(
@@ -171,10 +160,8 @@ class WebhookConfig(_Strict):
 # --- the config ----------------------------------------------------------------------------------------------
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(StrictModel):
     """A validated training config (config.json)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     # model
     config_version: Int = _field(
@@ -359,11 +346,6 @@ class TrainConfig(BaseModel):
     )
 
     # ---- field-level parsing ----
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        return normalise_values(cls, data)
 
     @field_validator("model_family")
     @classmethod
