@@ -14,8 +14,6 @@ script reports:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from diffusers import FluxTransformer2DModel
@@ -23,6 +21,7 @@ from peft import LoraConfig, inject_adapter_in_model
 
 from simpletuner.training.offload import enable_group_offload
 from simpletuner.training.quantize import weight_bytes
+from timing import lora_step, median_cpu, round_robin
 
 
 def flux(args):
@@ -88,26 +87,15 @@ def main():
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
                   for k, m in configs.items()}
 
-    def step(name):
-        cpu = time.process_time()
-        optimizers[name].zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(configs[name](**batch).sample, target).backward()
-        optimizers[name].step()
-        return time.process_time() - cpu
-
-    for name in configs:
-        step(name)
-    times = {name: [] for name in configs}
-    for _ in range(args.steps):
-        for name in configs:
-            times[name].append(step(name))
-    base = statistics.median(times["off"])
+    times = round_robin(lambda name: lora_step(configs[name], optimizers[name], batch, target), configs,
+                        args.steps)
+    base = median_cpu(times["off"])
     print(f"LoRA step on CPU (onload device cpu: nothing moves), {n} image + {t} text tokens, CPU time, median of "
           f"{args.steps} steps, {torch.get_num_threads()} thread(s)\n")
     print("| group offload | CPU s/step | vs off |")
     print("|---|---|---|")
     for name in configs:
-        median = statistics.median(times[name])
+        median = median_cpu(times[name])
         print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
 
 

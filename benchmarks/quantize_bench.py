@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 
 import torch
@@ -22,6 +21,7 @@ from diffusers import FluxTransformer2DModel
 from peft import LoraConfig, inject_adapter_in_model
 
 from simpletuner.training.quantize import quantize_model, weight_bytes
+from timing import lora_step, median_cpu, round_robin
 
 PRECISIONS = ["no_change", "int8-quanto", "fp8-quanto", "int4-quanto", "int2-quanto"]
 GOALS = {"int8-quanto": 0.55, "int4-quanto": 0.30}
@@ -90,28 +90,15 @@ def step_times(args):
     target = torch.randn_like(batch["hidden_states"])
     models = {p: lora_model(args, p) for p in PRECISIONS}
 
-    def step(precision):
-        model, opt = models[precision]
-        cpu = time.process_time()
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(**batch).sample, target).backward()
-        opt.step()
-        return time.process_time() - cpu
-
-    for precision in PRECISIONS:
-        step(precision)
-    times = {p: [] for p in PRECISIONS}
-    for _ in range(args.steps):
-        for precision in PRECISIONS:
-            times[precision].append(step(precision))
-    base = statistics.median(times["no_change"])
+    times = round_robin(lambda p: lora_step(*models[p], batch, target), PRECISIONS, args.steps)
+    base = median_cpu(times["no_change"])
     print(f"LoRA (r=16) step time on CPU: hidden {args.step_dim}, {args.step_double} double + {args.step_single} single blocks, "
           f"{n} image + {t} text tokens, fp32 activations, median of {args.steps} steps, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\n")
     print("| base_model_precision | CPU s/step | vs no_change |")
     print("|---|---|---|")
     for precision in PRECISIONS:
-        median = statistics.median(times[precision])
+        median = median_cpu(times[precision])
         print(f"| {precision} | {median:.2f} | {median / base:.2f}x |")
 
 

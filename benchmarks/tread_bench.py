@@ -12,14 +12,13 @@ Configs are timed round-robin so background load hits them alike.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig, inject_adapter_in_model
 
 from simpletuner.training.tread import TreadLayout, apply_tread
+from timing import lora_step, median_cpu, median_wall, round_robin
 
 
 def build(args):
@@ -62,17 +61,6 @@ def inputs(args):
     )
 
 
-def step(model, batch, target, opt):
-    """(wall seconds, process CPU seconds) of one step; with one thread CPU time is immune to other processes
-    taking the core, so it is the steadier figure on a shared machine."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    opt.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.mse_loss(model(**batch).sample, target)
-    loss.backward()
-    opt.step()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latent-h", type=int, default=32, help="packed latent height (tokens)")
@@ -107,14 +95,9 @@ def main():
         handle.enabled = ratio is not None
         if ratio is not None:
             handle.routes[0] = type(route)(ratio, route.start_layer_idx, route.end_layer_idx)
-        return step(model, batch, target, opt)
+        return lora_step(model, opt, batch, target)
 
-    for ratio in configs:  # warm-up: allocator, kernels
-        run(ratio)
-    times = {ratio: [] for ratio in configs}
-    for _ in range(args.steps):
-        for ratio in configs:
-            times[ratio].append(run(ratio))
+    times = round_robin(run, configs, args.steps)
 
     n_img = args.latent_h * args.latent_w
     n_layers = args.double + args.single
@@ -125,11 +108,9 @@ def main():
           f"median of {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| selection_ratio | image tokens in route | wall s/step | CPU s/step | speedup (wall) | speedup (CPU) |")
     print("|---|---|---|---|---|---|")
-    base_wall = statistics.median(t[0] for t in times[None])
-    base_cpu = statistics.median(t[1] for t in times[None])
+    base_wall, base_cpu = median_wall(times[None]), median_cpu(times[None])
     for ratio in configs:
-        wall = statistics.median(t[0] for t in times[ratio])
-        cpu = statistics.median(t[1] for t in times[ratio])
+        wall, cpu = median_wall(times[ratio]), median_cpu(times[ratio])
         kept = n_img if ratio is None else handle.router.kept_count(n_img, ratio)
         label = "off (no TREAD)" if ratio is None else f"{ratio}"
         print(f"| {label} | {kept} | {wall:.2f} | {cpu:.2f} | {base_wall / wall:.2f}x | {base_cpu / cpu:.2f}x |")
