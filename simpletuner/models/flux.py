@@ -200,11 +200,10 @@ class FluxAdapter(ModelAdapter):
         return presets[preset]
 
     def transformer_depth(self) -> int:
-        """Double + single blocks, read from the transformer's config.json without loading weights."""
+        """Double + single blocks, read from config.json (or a single file's tensor names) without loading weights."""
         path, subfolder = self._transformer_source()
         if str(path).endswith((".safetensors", ".sft")):
-            model = self.load_transformer()
-            return len(model.transformer_blocks) + len(model.single_transformer_blocks)
+            return _single_file_depth(path)
         cfg = FluxTransformer2DModel.load_config(path, subfolder=subfolder or None, revision=self.config.revision)
         return int(cfg["num_layers"]) + int(cfg["num_single_layers"])
 
@@ -260,6 +259,18 @@ class FluxAdapter(ModelAdapter):
         cfg = self.vae.config
         unpacked = FluxPipeline._unpack_latents(latents, height, width, 2 ** (len(cfg.block_out_channels) - 1))
         return unpacked / cfg.scaling_factor + cfg.shift_factor
+
+
+def _single_file_depth(path: str) -> int:
+    """Blocks in a single-file Flux checkpoint, counted from its tensor names (BFL's ``double_blocks.N`` /
+    ``single_blocks.N`` or diffusers' ``transformer_blocks.N`` / ``single_transformer_blocks.N``)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        keys = list(f.keys())
+    blocks = {".".join(k.split(".")[:2]) for k in keys
+              if k.split(".")[0] in ("double_blocks", "single_blocks", "transformer_blocks", "single_transformer_blocks")}
+    return len(blocks)
 
 
 def _at_depth(fraction: float, depth: int) -> int:

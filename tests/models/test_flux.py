@@ -155,3 +155,16 @@ def test_text_cache_identity_changes_with_encoder_precision(tiny_flux_path):
     a = FluxAdapter(flux_config()).text_cache_identity()
     b = FluxAdapter(flux_config(text_encoder_2_precision="int8-quanto")).text_cache_identity()
     assert a != b and a == FluxAdapter(flux_config()).text_cache_identity()
+
+
+def test_transformer_depth_from_a_single_file_reads_only_tensor_names(tiny_flux_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(next((tiny_flux_path / "transformer").glob("*.safetensors")))
+    save_file(weights, tmp_path / "flux.safetensors")  # diffusers key names
+    bfl = {k.replace("single_transformer_blocks.", "single_blocks.").replace("transformer_blocks.", "double_blocks."): v
+           for k, v in weights.items()}
+    save_file(bfl, tmp_path / "flux-bfl.safetensors")  # the original release's key names
+    for name in ("flux.safetensors", "flux-bfl.safetensors"):
+        adapter = FluxAdapter(flux_config(pretrained_transformer_model_name_or_path=str(tmp_path / name)))
+        assert adapter.transformer_depth() == 2 + 4
