@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
 import types
+from pathlib import Path
 
 
 def flux_config(**overrides):
@@ -46,3 +50,27 @@ def flux_transformer_inputs(seed: int = 1, batch: int = 2, img: int = 64, txt: i
         txt_ids=torch.zeros(txt, 3),
         guidance=torch.full((batch,), 3.5),
     )
+
+
+def free_port() -> int:
+    """A TCP port that is free on the loopback interface right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
+    """Poll ``url``/api/health until it answers 200; RuntimeError with the log's tail if the server exits or
+    ``timeout`` seconds pass first."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/api/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"server did not start; see {log_path}:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import free_port, wait_until_healthy
 
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -70,12 +70,6 @@ def browser(chromium_path):
         b.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """`simpletuner server` in a subprocess (uvicorn on a free loopback port) with a private data dir and a
     working dir holding a copy of the sample dataset."""
@@ -115,16 +109,7 @@ class Server:
              "--data-dir", str(self.data_dir), "--launcher", "python", "--cancel-grace", "5",
              "--stop-jobs-on-exit", "--log-level", "warning", *self.extra_args],
             cwd=self.workdir, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while True:
-            try:
-                if self.http.get("/api/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start; see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.url, self.log_path, timeout=60)
 
     def crash_and_restart(self) -> None:
         """SIGKILL the server (its trainers run on in their own sessions) and start it again on the same port

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,22 +21,18 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import free_port, wait_until_healthy
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 TOKEN = "e2e-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
     """``python -m simpletuner.cli server`` in its own process, cwd = the repo (so datasets/ resolves)."""
 
     def __init__(self, data_dir: Path, tmp: Path, *extra: str, port: int | None = None, env: dict | None = None):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.data_dir = data_dir
         self.log_path = tmp / f"server-{self.port}-{time.time_ns()}.log"
         self.cmd = [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),
@@ -52,16 +47,8 @@ class Server:
     def start(self) -> "Server":
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while True:
-            try:
-                if httpx.get(f"{self.url}/api/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+        wait_until_healthy(self.proc, self.url, self.log_path, timeout=30)
+        return self
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

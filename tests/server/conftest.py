@@ -3,7 +3,6 @@ need real HTTP (the trainer's webhooks must reach the server)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -16,7 +15,9 @@ from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app
 from simpletuner.server.settings import ServerSettings
+from tests.helpers import free_port
 from tests.server.helpers import LOOPBACK, PNG, make_settings
+
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
@@ -40,12 +41,6 @@ def client(settings_factory):
     app = create_app(settings_factory(run_scheduler=False))
     with TestClient(app, client=LOOPBACK) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.helpers import free_port
 
 
 def _pg_bin() -> Path | None:
@@ -29,12 +30,6 @@ def ensure_postgres() -> Path | None:
     return _pg_bin()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running_postgres() -> Iterator[str]:
     """Start a cluster; yields a SQLAlchemy URL; stops and deletes it afterwards."""
@@ -46,7 +41,7 @@ def running_postgres() -> Iterator[str]:
     if os.geteuid() == 0:  # postgres refuses to run as root: run it as the package's postgres user
         shutil.chown(root, "postgres", "postgres")
         as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = root / "data", _free_port()
+    data, port = root / "data", free_port()
     try:
         subprocess.run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "simpletuner"],
                        check=True, capture_output=True)
