@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import load_only
 
-from simpletuner.training.webhooks import verify
+from simpletuner.config.events import verify
 
 from .db import Database, JobEventRow, JobRow
 from .schemas import EventOut, WebhookEvent

@@ -6,8 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from simpletuner.config.events import EVENT_TYPES
+
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-EventType = Literal["progress", "checkpoint", "image", "scores", "status", "error", "log"]
+EventType = Literal[EVENT_TYPES]  # the wire contract's event types
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 MAX_ID = 2**62  # keeps ids inside every SQL backend's 64-bit integer
 

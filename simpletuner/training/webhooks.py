@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -25,29 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from simpletuner.config.events import (  # noqa: F401  (re-exported: the wire contract lives in config)
+    EVENT_TYPES,
+    JOB_ID_ENV,
+    SECRET_ENV,
+    SIGNATURE_HEADER,
+    URL_ENV,
+    sign,
+    verify,
+)
+
 logger = logging.getLogger("simpletuner.webhooks")
 
-SIGNATURE_HEADER = "X-SimpleTuner-Signature"
-URL_ENV = "SIMPLETUNER_WEBHOOK_URL"
-SECRET_ENV = "SIMPLETUNER_WEBHOOK_SECRET"
-JOB_ID_ENV = "SIMPLETUNER_JOB_ID"
-
-EVENT_TYPES = ("progress", "checkpoint", "image", "scores", "status", "error", "log")
 # Events that may be dropped when the queue is full (newer ones supersede them).
 DROPPABLE = {"progress", "log"}
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
-
-
-def sign(secret: str, body: bytes) -> str:
-    """The signature header value for ``body``."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def verify(secret: str, body: bytes, header: str | None) -> bool:
-    """True when ``header`` is the signature of ``body`` under ``secret`` (constant-time compare)."""
-    if not header or not secret:
-        return False
-    return hmac.compare_digest(sign(secret, body), header.strip())
 
 
 def _event_level(event: Mapping[str, Any]) -> int:

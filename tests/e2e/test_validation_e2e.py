@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from simpletuner.training.webhooks import SIGNATURE_HEADER, verify
+from simpletuner.config.events import SIGNATURE_HEADER, verify
 from tests.conftest import REPO
 from tests.e2e.test_train_cli import SERIAL, losses, simpletuner
 from tests.evaluation.readers import tensorboard_image_tags, tensorboard_scalars, wandb_scalars

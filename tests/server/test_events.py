@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app
 from simpletuner.server.db import JobRow
-from simpletuner.training.webhooks import SIGNATURE_HEADER, sign
+from simpletuner.config.events import SIGNATURE_HEADER, sign
 
 from tests.server.helpers import PNG, REMOTE, job_body
 

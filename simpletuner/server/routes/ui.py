@@ -4,19 +4,15 @@ from the REST API (so the shells hold nothing a token would protect) and follows
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Path as PathParam, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 
 from simpletuner import __version__
+from webui import STATIC, TEMPLATES
 
 from ..schemas import MAX_ID, NAME_PATTERN
-
-HERE = Path(__file__).resolve().parent.parent
-TEMPLATES = HERE / "templates"
-STATIC = HERE / "static"
 
 router = APIRouter(include_in_schema=False)
 # Pages load only their own scripts (no inline script runs); style attributes are used for small layout tweaks.
