@@ -20,7 +20,7 @@ from diffusers import FluxTransformer2DModel
 from peft import LoraConfig, inject_adapter_in_model
 
 from simpletuner.training.offload import enable_group_offload
-from simpletuner.training.quantize import weight_bytes
+from simpletuner.models.quantize import weight_bytes
 from timing import lora_step, median_cpu, round_robin
 
 

@@ -20,7 +20,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from peft import LoraConfig, inject_adapter_in_model
 
-from simpletuner.training.quantize import quantize_model, weight_bytes
+from simpletuner.models.quantize import quantize_model, weight_bytes
 from timing import lora_step, median_cpu, round_robin
 
 PRECISIONS = ["no_change", "int8-quanto", "fp8-quanto", "int4-quanto", "int2-quanto"]

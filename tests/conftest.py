@@ -1,12 +1,16 @@
-"""Shared fixtures: one tiny-checkpoint folder per test session, shared with subprocesses via the env."""
+"""Shared fixtures: one tiny-checkpoint folder per test session (shared with subprocesses via the env), a tiny
+Flux adapter and transformer, and a run setup with an eval dataset."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import flux_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +26,6 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux_path(tiny_dir) -> Path:
     from simpletuner.models.flux import FluxAdapter
-    from tests.helpers import flux_config
 
     return FluxAdapter(flux_config()).ensure_tiny_checkpoint()
 
@@ -33,3 +36,47 @@ def sample_dataset(tmp_path) -> Path:
     target = tmp_path / "sample"
     shutil.copytree(REPO / "datasets" / "sample", target)
     return target
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tiny_flux_path):
+    from simpletuner.models.flux import FluxAdapter
+
+    return FluxAdapter(flux_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_transformer(tiny_adapter):
+    transformer = tiny_adapter.load_transformer()
+    transformer.requires_grad_(False)
+    return transformer
+
+
+@pytest.fixture
+def make_setup(tmp_path):
+    """(config, backends) for a run in tmp_path with an eval dataset of two sample images."""
+
+    def make(*, eval_dataset: bool = True, **overrides):
+        from simpletuner.config import load_data_backends
+
+        dataset = tmp_path / "sample"
+        if not dataset.exists():
+            shutil.copytree(REPO / "datasets" / "sample", dataset)
+            (tmp_path / "eval").mkdir()
+            for name in ("00_orange_circle", "01_red_square"):
+                for ext in (".png", ".txt"):
+                    shutil.copy(dataset / f"{name}{ext}", tmp_path / "eval" / f"{name}{ext}")
+        values = {"output_dir": str(tmp_path / "output"), "validation_resolution": "32",
+                  "validation_num_inference_steps": 2, **overrides}
+        config = flux_config(**values)
+        backends = [{"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
+                     "resolution": 32, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae")},
+                    {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        if eval_dataset:
+            backends.insert(1, {"id": "held-out", "dataset_type": "eval", "instance_data_dir": str(tmp_path / "eval"),
+                                "caption_strategy": "textfile", "resolution": 32, "resolution_type": "pixel",
+                                "cache_dir_vae": str(tmp_path / "cache/vae-eval")})
+        (tmp_path / "multidatabackend.json").write_text(json.dumps(backends))
+        return config, load_data_backends(backends, config=config)
+
+    return make

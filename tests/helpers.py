@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -74,3 +75,33 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"server did not start; see {log_path}:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.1)
+
+
+class RecordingReporter:
+    """Stands in for WebhookReporter: records image and scores events."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.events: list[tuple] = []
+
+    def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None):
+        self.events.append(("image", kind, step, Path(path), nickname, inference_step))
+
+    def scores(self, step, metrics):
+        self.events.append(("scores", step, dict(metrics)))
+
+
+class CpuAccelerator:
+    """The few Accelerator members the evaluator uses, for one CPU process."""
+
+    is_main_process = True
+    device = "cpu"
+
+    def unwrap_model(self, model):
+        return model
+
+    def wait_for_everyone(self):
+        pass
+
+    def autocast(self):
+        return contextlib.nullcontext()

@@ -1,46 +1,75 @@
-"""Model families and their flavours, without importing any model code.
+"""The model-family table: the one place that names every family, its flavours, its adapter and its options.
 
-``simpletuner.models.registry`` reads this table to pick an adapter; the config schema, the wizard and the web UI
-read it to offer and check choices. A family's adapter module is imported only by the models layer.
+Everything that offers or checks a family reads this table: the config schema (``model_family``, ``model_flavour``,
+``lora_target``, ``guidance_value``, ``prediction_type``, ``text_encoder_N_precision``), the wizard, the server's
+``/api/system/model-families`` and the web UI. The models layer reads ``adapter`` to import a family's module only
+when that family is used, so this file imports nothing but the standard library.
+
+Adding a family: one file ``simpletuner/models/<name>.py`` with the adapter, one row here (see
+docs/adding-a-family.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from .errors import ConfigError, FieldError
 
+OBJECTIVES = ("flow_matching", "epsilon", "v_prediction")
+
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """What the config layer knows about one model family.
+    """What the rest of the program knows about one model family without importing its code.
 
-    ``flavours`` maps a flavour name to its default weights (a Hugging Face repo id), or None for ``tiny``,
-    a random-initialised checkpoint the models layer generates locally.
+    ``flavours`` maps a flavour name to its default weights (a Hugging Face repo id or a local folder), or None for
+    ``tiny``, a random-initialised checkpoint the adapter writes locally.
     """
 
     name: str
     description: str
+    # "module:Class" of the family's ModelAdapter; imported by simpletuner.models.registry on use only
+    adapter: str
     flavours: Mapping[str, str | None]
     default_flavour: str
+    # LoRA target presets (``lora_target``) the adapter knows, and the one used when the config names none
     lora_targets: tuple[str, ...]
     default_lora_target: str
-    # The transformer takes a distilled guidance embedding (Flux dev) instead of real CFG.
+    # training objectives the family's transformer can be trained with; the first is the default
+    objectives: tuple[str, ...] = ("flow_matching",)
+    # the transformer takes a distilled-guidance embedding (Flux dev); ``guidance_value`` feeds it during training
     guidance_embeds: bool = False
-    # Flavours whose transformer has no guidance embedding (distilled for few steps, or de-distilled).
-    flavours_without_guidance_embeds: frozenset[str] = field(default_factory=frozenset)
+    default_guidance_value: float = 1.0
+    # how many text encoders it has (text_encoder_N_precision beyond these is refused)
     num_text_encoders: int = 1
+
+    def __post_init__(self):
+        if self.default_flavour not in self.flavours:
+            raise ValueError(f"{self.name}: default_flavour {self.default_flavour!r} is not one of its flavours")
+        if self.default_lora_target not in self.lora_targets:
+            raise ValueError(f"{self.name}: default_lora_target {self.default_lora_target!r} is not a preset")
+        unknown = set(self.objectives) - set(OBJECTIVES)
+        if not self.objectives or unknown:
+            raise ValueError(f"{self.name}: objectives must be some of {', '.join(OBJECTIVES)}")
+        if ":" not in self.adapter:
+            raise ValueError(f"{self.name}: adapter must be 'module:Class', got {self.adapter!r}")
 
     def default_weights(self, flavour: str | None) -> str | None:
         """Default ``pretrained_model_name_or_path`` for ``flavour`` (the family default when None)."""
         return self.flavours[flavour or self.default_flavour]
 
+    @property
+    def default_objective(self) -> str:
+        return self.objectives[0]
+
 
 FLUX = ModelFamily(
     name="flux",
     description="Black Forest Labs FLUX.1 (12B MMDiT, flow matching, CLIP-L + T5-XXL text encoders)",
+    adapter="simpletuner.models.flux:FluxAdapter",
     flavours=MappingProxyType(
         {
             "dev": "black-forest-labs/FLUX.1-dev",
@@ -56,11 +85,11 @@ FLUX = ModelFamily(
     lora_targets=("all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano"),
     default_lora_target="all",
     guidance_embeds=True,
-    flavours_without_guidance_embeds=frozenset({"schnell", "libreflux"}),
     num_text_encoders=2,
 )
 
-FAMILIES: Mapping[str, ModelFamily] = MappingProxyType({FLUX.name: FLUX})
+_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
+FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
@@ -81,18 +110,41 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "cosmos2image",
     "hunyuanvideo",
     "omnigen",
+    "flux2",
+    "z_image",
 )
+
+
+@contextmanager
+def registered(family: ModelFamily) -> Iterator[ModelFamily]:
+    """Add ``family`` to the table for the duration (tests and plugins building a family outside this file)."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    try:
+        yield family
+    finally:
+        _FAMILIES.pop(family.name, None)
 
 
 def family_names() -> list[str]:
     """Names of the families that can be trained now, sorted."""
-    return sorted(FAMILIES)
+    return sorted(_FAMILIES)
+
+
+def all_flavours() -> list[str]:
+    """Every flavour name of every family, sorted (the schema's choices; each family checks its own)."""
+    return sorted({f for fam in _FAMILIES.values() for f in fam.flavours})
+
+
+def all_lora_targets() -> list[str]:
+    return sorted({t for fam in _FAMILIES.values() for t in fam.lora_targets})
 
 
 def get_family(name: str) -> ModelFamily:
     """The family called ``name``; ConfigError on ``model_family`` listing the available ones otherwise."""
     try:
-        return FAMILIES[name]
+        return _FAMILIES[name]
     except KeyError:
         pass
     available = ", ".join(family_names())
@@ -114,3 +166,25 @@ def check_flavour(family: ModelFamily, flavour: str) -> None:
                 )
             ]
         )
+
+
+def family_option_errors(family: ModelFamily, values: Mapping[str, object]) -> list[FieldError]:
+    """Errors for per-family options in ``values`` (a TrainConfig's fields) that ``family`` does not declare."""
+    errors: list[FieldError] = []
+    target = values.get("lora_target")
+    if target is not None and target not in family.lora_targets:
+        errors.append(FieldError("lora_target", f"{target!r} is not a {family.name} LoRA preset; "
+                                                f"one of {', '.join(family.lora_targets)}"))
+    objective = values.get("prediction_type")
+    if objective is not None and objective not in family.objectives:
+        errors.append(FieldError("prediction_type", f"{objective!r} is not how {family.name} is trained; "
+                                                    f"one of {', '.join(family.objectives)}"))
+    if values.get("guidance_value") is not None and not family.guidance_embeds:
+        errors.append(FieldError("guidance_value", f"{family.name} has no guidance embedding to feed during "
+                                                   "training; remove it (validation_guidance sets inference CFG)"))
+    for n in range(family.num_text_encoders + 1, 4):
+        key = f"text_encoder_{n}_precision"
+        if values.get(key) not in (None, "no_change"):
+            errors.append(FieldError(key, f"{family.name} has {family.num_text_encoders} text encoder(s); "
+                                          f"there is no text encoder {n} to quantize"))
+    return errors

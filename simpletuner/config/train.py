@@ -19,12 +19,20 @@ from pydantic import Field, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
 from .errors import ConfigError, FieldError
-from .families import FAMILIES, ModelFamily, check_flavour, family_names, get_family
+from .families import (
+    OBJECTIVES,
+    ModelFamily,
+    all_flavours,
+    all_lora_targets,
+    check_flavour,
+    family_names,
+    family_option_errors,
+    get_family,
+)
 from .versions import CURRENT_CONFIG_VERSION
 
 GROUPS = ("model", "training", "lora", "memory", "tread", "validation", "logging", "data")
 
-LoraTarget = Literal["all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano"]
 Precision = Literal["no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"]
 
 
@@ -176,9 +184,9 @@ class TrainConfig(StrictModel):
     model_flavour: Optional[str] = _field(
         None,
         "model",
-        "variant of the family; picks the default weights (flux: dev, krea, schnell, kontext, fluxbooru, "
-        "libreflux, tiny). Defaults to the family's default flavour.",
-        extra={"enum": sorted({f for fam in FAMILIES.values() for f in fam.flavours})},
+        "variant of the family; picks the default weights ('tiny' is a small random model for trying things out). "
+        "Each family has its own (see /api/system/model-families); defaults to the family's default flavour.",
+        extra={"enum": all_flavours()},
     )
     pretrained_model_name_or_path: Optional[str] = _field(
         None,
@@ -236,8 +244,24 @@ class TrainConfig(StrictModel):
         False, "training", "sample timesteps uniformly instead of from a sigmoid (logit-normal) distribution"
     )
     flow_sigmoid_scale: float = _field(1.0, "training", "scale of the sigmoid timestep sampling", gt=0)
-    flux_guidance_value: float = _field(
-        1.0, "training", "guidance value fed to Flux's guidance embedding during training", ge=0
+    prediction_type: Optional[Literal[OBJECTIVES]] = _field(
+        None,
+        "training",
+        "training objective: flow_matching (velocity), epsilon or v_prediction; each family allows its own, and "
+        "empty means the family's default",
+    )
+    rescale_betas_zero_snr: bool = _field(
+        False,
+        "training",
+        "rescale the DDPM noise schedule to zero terminal SNR (epsilon / v_prediction objectives only; pair it "
+        "with v_prediction)",
+    )
+    guidance_value: Optional[float] = _field(
+        None,
+        "training",
+        "value fed to a guidance-distilled transformer's guidance embedding during training (Flux dev: 1.0); "
+        "only for families that have one. SimpleTuner: flux_guidance_value",
+        ge=0,
     )
 
     # checkpoints
@@ -277,7 +301,13 @@ class TrainConfig(StrictModel):
     lora_type: Literal["standard"] = _field(
         "standard", "lora", "LoRA implementation; only 'standard' (peft) is supported"
     )
-    flux_lora_target: LoraTarget = _field("all", "lora", "which Flux layers get LoRA adapters (a preset name)")
+    lora_target: Optional[str] = _field(
+        None,
+        "lora",
+        "which layers get LoRA adapters: a preset of the model family (flux: all, mmdit, context, context+ffs, "
+        "all+ffs, tiny, nano); empty = the family's default. SimpleTuner: flux_lora_target",
+        extra={"enum": all_lora_targets()},
+    )
     init_lora: Optional[str] = _field(None, "lora", "start from an existing LoRA .safetensors file")
 
     # memory
@@ -410,6 +440,16 @@ class TrainConfig(StrictModel):
     def _check_and_fill(self) -> TrainConfig:
         errors: list[FieldError] = []
         family = get_family(self.model_family)
+        errors.extend(family_option_errors(family, self.__dict__))
+        if self.lora_target is None:
+            self.lora_target = family.default_lora_target
+        if self.prediction_type is None:
+            self.prediction_type = family.default_objective
+        if self.rescale_betas_zero_snr and self.prediction_type == "flow_matching":
+            errors.append(FieldError("rescale_betas_zero_snr", "applies to the DDPM objectives (epsilon, "
+                                                               "v_prediction), not flow_matching"))
+        if self.guidance_value is None and family.guidance_embeds:
+            self.guidance_value = family.default_guidance_value
         if self.model_flavour is None:
             self.model_flavour = family.default_flavour
         try:

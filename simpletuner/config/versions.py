@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ConfigError, FieldError
 
-CURRENT_CONFIG_VERSION = 1
+CURRENT_CONFIG_VERSION = 2
 
 Migration = Callable[[dict[str, Any], list[str]], dict[str, Any]]
 
@@ -47,9 +47,36 @@ def _v0_to_v1(raw: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
     return out
 
 
+# Per-family option fields became family-checked values: SimpleTuner's ``flux_*`` spellings -> generic names.
+_V1_FAMILY_OPTIONS = {
+    "flux_lora_target": "lora_target",
+    "flux_guidance_value": "guidance_value",
+}
+
+
+def _v1_to_v2(raw: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """v1 → v2: ``flux_lora_target`` / ``flux_guidance_value`` become ``lora_target`` / ``guidance_value``, values
+    checked against the chosen family. They stay valid spellings (SimpleTuner's), so the rename is silent; on
+    another family SimpleTuner ignores them, and so do we, with a warning."""
+    out = dict(raw)
+    family = out.get("model_family")
+    for old, new in _V1_FAMILY_OPTIONS.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if family not in (None, "flux"):
+            warnings.append(f"{old}: only applies to model_family flux, not {family!r}; ignored")
+        elif new in out:
+            warnings.append(f"{old}: renamed to {new}, which is also set; using {new}={out[new]!r}")
+        else:
+            out[new] = value  # SimpleTuner's own spelling, so no warning
+    return out
+
+
 # from-version → migration to from-version + 1
 MIGRATIONS: dict[int, Migration] = {
     0: _v0_to_v1,
+    1: _v1_to_v2,
 }
 
 

@@ -24,6 +24,7 @@ from diffusers import (
 
 from simpletuner.models import tiny
 from simpletuner.models.base import ModelAdapter, TextEmbedding
+from simpletuner.models.tread_layout import TreadLayout
 
 # T5 sequence length per flavour (SimpleTuner's defaults; schnell was distilled with 256)
 DEFAULT_T5_LENGTH = {"schnell": 256, "tiny": 64}
@@ -41,11 +42,11 @@ class FluxAdapter(ModelAdapter):
     family = "flux"
     pipeline_class = FluxPipeline
     resolution_multiple = 16  # VAE /8, then 2x2 packing
-    prediction_type = "flow_matching"
 
     # ---- weights --------------------------------------------------------------------------------------
-    def ensure_tiny_checkpoint(self) -> Path:
-        return tiny.ensure_checkpoint("flux", write_tiny_flux)
+    @staticmethod
+    def write_tiny_checkpoint(folder: Path) -> None:
+        write_tiny_flux(folder)
 
     def _transformer_source(self) -> tuple[str, str | None]:
         path = self.config.pretrained_transformer_model_name_or_path
@@ -154,9 +155,10 @@ class FluxAdapter(ModelAdapter):
     def guidance_vector(self, transformer, batch: int, device, dtype) -> torch.Tensor | None:
         if not transformer.config.guidance_embeds:
             return None
-        return torch.full((batch,), float(self.config.flux_guidance_value), device=device, dtype=dtype)
+        return torch.full((batch,), float(self.config.guidance_value), device=device, dtype=dtype)
 
-    def model_inputs(self, transformer, noisy_latents, sigmas, text: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def model_inputs(self, transformer, noisy_latents, t, text: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """FluxPipeline's transformer arguments: the pipeline passes ``timestep / 1000``, i.e. sigma itself."""
         b, _, h, w = noisy_latents.shape
         model = getattr(transformer, "module", transformer)  # unwrap DDP
         dtype = model.dtype
@@ -164,7 +166,7 @@ class FluxAdapter(ModelAdapter):
         prompt_embeds = text["prompt_embeds"].to(device, dtype)
         return {
             "hidden_states": self.pack_latents(noisy_latents).to(dtype),
-            "timestep": sigmas.to(device, dtype),
+            "timestep": t.to(device, dtype),
             "guidance": self.guidance_vector(model, b, device, dtype),
             "pooled_projections": text["pooled_prompt_embeds"].to(device, dtype),
             "encoder_hidden_states": prompt_embeds,
@@ -173,16 +175,16 @@ class FluxAdapter(ModelAdapter):
             "return_dict": False,
         }
 
-    def predict(self, transformer, noisy_latents, sigmas, text: dict[str, torch.Tensor]) -> torch.Tensor:
+    def predict(self, transformer, noisy_latents, t, text: dict[str, torch.Tensor]) -> torch.Tensor:
         _, _, h, w = noisy_latents.shape
-        out = transformer(**self.model_inputs(transformer, noisy_latents, sigmas, text))[0]
+        out = transformer(**self.model_inputs(transformer, noisy_latents, t, text))[0]
         return self.unpack_latents(out, h, w)
 
-    def image_seq_len(self, latent_height: int, latent_width: int) -> int:
-        return (latent_height // 2) * (latent_width // 2)
+    def image_seq_len(self, latent_shape) -> int:
+        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        """Module names for ``flux_lora_target`` (PEFT matches them as name suffixes)."""
+        """Module names for a ``lora_target`` preset (PEFT matches them as name suffixes)."""
         n_single = len(transformer.single_transformer_blocks)
         presets = {
             "mmdit": [f"transformer_blocks.{i}.attn.{m}" for i in range(len(transformer.transformer_blocks))
@@ -196,7 +198,7 @@ class FluxAdapter(ModelAdapter):
             "nano": [f"single_transformer_blocks.{_at_depth(7 / 38, n_single)}.proj_out"],
         }
         if preset not in presets:
-            raise ValueError(f"flux_lora_target: {preset!r} is not one of {', '.join(presets)}")
+            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(presets)}")
         return presets[preset]
 
     def transformer_depth(self) -> int:
@@ -207,9 +209,7 @@ class FluxAdapter(ModelAdapter):
         cfg = FluxTransformer2DModel.load_config(path, subfolder=subfolder or None, revision=self.config.revision)
         return int(cfg["num_layers"]) + int(cfg["num_single_layers"])
 
-    def tread_layout(self, transformer):
-        from simpletuner.training.tread import TreadLayout
-
+    def tread_layout(self, transformer) -> TreadLayout:
         return TreadLayout(blocks=list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks))
 
     # ---- pipelines ---------------------------------------------------------------------------------------
@@ -239,19 +239,20 @@ class FluxAdapter(ModelAdapter):
         """FluxPipeline arguments for one image from batched cached embeddings: ``guidance`` is Flux's distilled
         guidance; ``guidance_real`` > 1 with a ``negative`` embedding turns on true classifier-free guidance."""
         kwargs = {"prompt_embeds": text["prompt_embeds"], "pooled_prompt_embeds": text["pooled_prompt_embeds"],
-                  "guidance_scale": guidance}
+                  "guidance_scale": guidance, "max_sequence_length": self.t5_max_length}
         if guidance_real > 1 and negative is not None:
             kwargs.update(negative_prompt_embeds=negative["prompt_embeds"],
                           negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"], true_cfg_scale=guidance_real)
         return kwargs
 
-    def load_preview_decoder(self) -> AutoencoderTiny:
-        """The Tiny AutoEncoder (taef1) that decodes live previews; the tiny flavour's own random one."""
+    def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pack_latents(latents)
+
+    def preview_decoder_source(self) -> tuple[str, str | None]:
+        """The Tiny AutoEncoder (taef1) that decodes live previews; the tiny flavour ships its own random one."""
         if self.config.model_flavour == "tiny":
-            decoder = AutoencoderTiny.from_pretrained(self.model_path(), subfolder="vae_preview")
-        else:
-            decoder = AutoencoderTiny.from_pretrained(PREVIEW_DECODER, torch_dtype=torch.float32)
-        return decoder.requires_grad_(False).eval().to(self.device)
+            return self.model_path(), "vae_preview"
+        return PREVIEW_DECODER, None
 
     def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The pipeline's packed latents mid-denoise -> (B, C, h, w) in the VAE's raw latent space (what an

@@ -1,30 +1,24 @@
-"""model_family -> adapter class, imported only when that family is used.
+"""model_family -> adapter class, read from the family table and imported only when that family is used.
 
-Keeping this table as strings means ``--help``, the server and the other families never import a family's
-module, and one family's missing optional dependency cannot stop another family from training.
+The table (``simpletuner.config.families``) names each adapter as a ``"module:Class"`` string, so ``--help``, the
+server and the other families never import a family's module, and one family's missing optional dependency
+cannot stop another family from training.
 """
 
 from __future__ import annotations
 
 import importlib
 
-ADAPTERS: dict[str, str] = {
-    "flux": "simpletuner.models.flux:FluxAdapter",
-}
+from simpletuner.config.families import family_names, get_family
 
 
 def available_families() -> list[str]:
-    return sorted(ADAPTERS)
+    return family_names()
 
 
 def get_adapter_class(model_family: str):
     """Import and return the adapter class for ``model_family``."""
-    try:
-        target = ADAPTERS[model_family]
-    except KeyError:
-        raise ValueError(
-            f"model_family: {model_family!r} is not one of {', '.join(available_families())}"
-        ) from None
+    target = get_family(model_family).adapter  # ConfigError naming model_family when unknown
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)

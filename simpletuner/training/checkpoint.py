@@ -1,26 +1,40 @@
-"""Training checkpoints: written atomically, rotated by ``checkpoints_total_limit``, resumed exactly.
+"""Training checkpoints: written atomically by every rank together, rotated by ``checkpoints_total_limit``, resumed
+exactly, and read without unpickling anything.
 
-A checkpoint folder ``checkpoint-<step>`` holds the trainable weights (``trainable.safetensors``), the optimizer
-and LR-scheduler states, every RNG state, and ``training_state.json`` (step, epoch, batch position). It is written
-into a temporary folder and renamed into place, so a crash never leaves a half-written checkpoint that resume
-would pick up.
+A checkpoint folder ``checkpoint-<step>`` holds
+- ``trainable.safetensors``: the trainable weights (LoRA or the full model's trainable parameters);
+- ``optimizer.pt``, or ``optimizer-rank<r>.pt`` per rank when the optimizer state is sharded across ranks
+  (FSDP / DeepSpeed ZeRO): each rank writes and reads back its own shard;
+- ``scheduler.pt``;
+- ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
+- ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
+
+Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
+finished, so a crash never leaves a half-written checkpoint that resume would pick up (the temp folder is removed
+at the next start). Tensors files are loaded with ``torch.load(weights_only=True)``: RNG states are stored as plain
+lists and tensors, never as pickled objects.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import random
 import re
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.training.state import RunState
+
+log = logging.getLogger("simpletuner.checkpoint")
+
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_TEMP = re.compile(r"^\.checkpoint-\d+(\.tmp|-.*)$")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -30,6 +44,16 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found) if (p / "training_state.json").is_file()]
+
+
+def remove_incomplete(output_dir: str | Path) -> list[Path]:
+    """Delete temp folders a crash during a save left behind (main process, before training starts)."""
+    root = Path(output_dir)
+    removed = [p for p in root.iterdir() if _TEMP.match(p.name) and p.is_dir()] if root.is_dir() else []
+    for path in removed:
+        log.warning("removing %s: an incomplete checkpoint from an interrupted save", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | None) -> Path | None:
@@ -47,10 +71,13 @@ def resolve_resume(output_dir: str | Path, resume_from_checkpoint: str | None) -
     return path
 
 
+# ---- RNG states as plain data (loadable with weights_only=True) --------------------------------------------
 def rng_state(generator: torch.Generator) -> dict:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
         "generator": generator.get_state(),
     }
@@ -60,56 +87,99 @@ def rng_state(generator: torch.Generator) -> dict:
 
 
 def restore_rng(state: dict, generator: torch.Generator) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     generator.set_state(state["generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rank_rng_path(output_dir, step: int, rank: int) -> Path:
-    """Where a non-main rank leaves its RNG state for the main process to put into ``checkpoint-<step>``."""
-    return Path(output_dir) / f".rng-step{step}-rank{rank}.pt"
+def _rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt" if rank else "rng.pt"
 
 
-def save_checkpoint(output_dir, step: int, *, trainable: dict[str, torch.Tensor], optimizer, lr_scheduler,
-                    generator: torch.Generator, training_state: dict, total_limit: int | None,
-                    num_processes: int = 1) -> Path:
-    """Write ``checkpoint-<step>`` (main process). Other ranks first save theirs with ``rank_rng_path``."""
+def _load(path: Path):
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+# ---- save / load ---------------------------------------------------------------------------------------------
+def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
+                    lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
+                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False) -> Path:
+    """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
+
+    ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
+    state; otherwise the main process saves the (replicated) one.
+    """
+    barrier = barrier or (lambda: None)
     root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    step = state.global_step
     final = root / f"checkpoint-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=root))
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(generator), tmp / "rng.pt")
-        for rank in range(1, num_processes):  # each rank draws its own noise; each resumes with its own RNG
-            os.replace(rank_rng_path(root, step, rank), tmp / f"rng-rank{rank}.pt")
-        (tmp / "training_state.json").write_text(json.dumps({**training_state, "global_step": step}, indent=2))
-        if final.exists():  # re-running the same step (e.g. after resume): replace
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
+    tmp = root / f".checkpoint-{step}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    try:
+        torch.save(rng_state(state.generator), tmp / _rng_file(rank))
+        if sharded_optimizer:
+            torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            save_file({k: v.detach().cpu().contiguous() for k, v in (trainable or {}).items()},
+                      tmp / "trainable.safetensors")
+            if not sharded_optimizer:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
+            (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
+            if final.exists():  # re-running the same step (e.g. after resume): replace
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if total_limit:
+    barrier()
+    if rank == 0 and total_limit:
         for old in list_checkpoints(root)[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load_checkpoint(path: Path, *, optimizer, lr_scheduler, generator: torch.Generator,
-                    rank: int = 0) -> tuple[dict, dict]:
-    """Restore optimizer, scheduler and this rank's RNG; returns (trainable weights, training_state)."""
-    trainable = load_file(path / "trainable.safetensors")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng_file = path / (f"rng-rank{rank}.pt" if rank else "rng.pt")
+def read_training_state(path: Path) -> dict:
+    """``training_state.json`` of a checkpoint; ValueError naming the file when it is empty or damaged."""
+    file = Path(path) / "training_state.json"
+    try:
+        saved = json.loads(file.read_text())
+        int(saved["global_step"]), int(saved["epoch"]), int(saved["batch_in_epoch"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: not a readable training state ({exc})") from None
+    return saved
+
+
+def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
+                    world_size: int = 1) -> dict[str, torch.Tensor]:
+    """Restore optimizer, scheduler, this rank's RNG and the run position into ``state``; returns the trainable
+    weights. A checkpoint with per-rank optimizer shards needs the world size it was saved with."""
+    path = Path(path)
+    saved = read_training_state(path)
+    saved_world = int(saved.get("world_size", 1))
+    if saved.get("sharded_optimizer") and saved_world != world_size:
+        raise ValueError(f"resume_from_checkpoint: {path} holds optimizer shards of {saved_world} processes; "
+                         f"resume it with {saved_world} processes (this run has {world_size})")
+    rng_file = path / _rng_file(rank)
     if not rng_file.is_file():
         raise FileNotFoundError(f"resume_from_checkpoint: {path} has no RNG state for process {rank} "
                                 "(it was saved by a run with fewer processes)")
-    restore_rng(torch.load(rng_file, weights_only=False), generator)
-    return trainable, json.loads((path / "training_state.json").read_text())
+    trainable = load_file(path / "trainable.safetensors")
+    optimizer_file = path / (f"optimizer-rank{rank}.pt" if saved.get("sharded_optimizer") else "optimizer.pt")
+    optimizer.load_state_dict(_load(optimizer_file))
+    lr_scheduler.load_state_dict(_load(path / "scheduler.pt"))
+    restore_rng(_load(rng_file), state.generator)
+    state.restore_position(saved)
+    return trainable

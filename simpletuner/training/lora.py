@@ -13,9 +13,9 @@ ADAPTER_NAME = "default"
 
 
 def add_lora(transformer, adapter, config) -> LoraConfig:
-    """Freeze the transformer and attach a trainable LoRA on the modules of ``flux_lora_target``-style presets."""
+    """Freeze the transformer and attach a trainable LoRA on the modules of the family's ``lora_target`` preset."""
     transformer.requires_grad_(False)
-    preset = getattr(config, f"{adapter.family}_lora_target", None) or "all"
+    preset = config.lora_target  # the config layer fills the family's default and checks it against the family
     init = {"default": True, "gaussian": "gaussian", "loftq": "loftq", "olora": "olora", "pissa": "pissa"}[
         config.lora_init_type or "default"
     ]

@@ -1,8 +1,9 @@
 """The training recipe. Read top to bottom: set up, cache, build the model, loop, save.
 
 One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache, draw noise and
-sigmas, noise the latents, predict with the family's adapter, take the MSE against the flow-matching target,
-backward, clip, step, report, and every ``checkpointing_steps`` write a checkpoint.
+timesteps, noise the latents, predict with the family's adapter, take the loss against the objective's target
+(flow-matching velocity, epsilon or v), backward, clip, step, report, and every ``checkpointing_steps`` write a
+checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one ``RunState``.
 """
 
 from __future__ import annotations
@@ -18,21 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
 from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
 from simpletuner.data.discovery import DatasetError, discover
 from simpletuner.data.sampler import BucketBatchSampler
-from simpletuner.evaluation.evaluator import Evaluator
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training.flow import add_noise, training_sigmas
+from simpletuner.training.evaluator import Evaluator
 from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
+from simpletuner.training.state import RunState
 from simpletuner.training.webhooks import WebhookReporter
 
 log = logging.getLogger("simpletuner.trainer")
@@ -107,7 +107,8 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
 
 
 def preflight(config, adapter) -> None:
-    """Checks that need the model's shape, done before anything is cached or written."""
+    """Checks that need the model's shape or schedule, done before anything is cached or written."""
+    adapter.objective  # reads the model's scheduler config: a missing or bad one fails here, not mid-run
     if config.tread_config is not None:
         from simpletuner.config import resolve_tread_routes
 
@@ -158,7 +159,7 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
     device = accelerator.device
     transformer = adapter.load_transformer()
     if config.base_model_precision not in (None, "no_change"):
-        from simpletuner.training.quantize import check_quantized_training, quantize_model
+        from simpletuner.models.quantize import check_quantized_training, quantize_model
 
         check_quantized_training(config.base_model_precision, model_type=config.model_type,
                                  init_lora_weights=config.lora_init_type)
@@ -236,24 +237,25 @@ def load_batch(batch, data: TrainData, config, generator: torch.Generator, devic
 
 
 def compute_loss(config, adapter, transformer, latents, text, is_reg, generator):
+    objective = adapter.objective
     noise = torch.randn(latents.shape, generator=generator).to(latents)
-    image_seq_len = adapter.image_seq_len(latents.shape[-2], latents.shape[-1])
-    sigmas = training_sigmas(config, latents.shape[0], image_seq_len, generator).to(latents.device)
-    noisy = add_noise(latents, noise, sigmas)
-    target = adapter.training_target(latents, noise)
+    t = objective.sample_timesteps(latents.shape[0], generator=generator,
+                                   image_seq_len=adapter.image_seq_len(latents.shape)).to(latents.device)
+    noisy = objective.add_noise(latents, noise, t)
+    target = objective.target(latents, noise, t)
     if is_reg.any() and config.model_type == "lora":
         # regularisation data: the target is the base model's own prediction (LoRA off) on these samples
         base = _unwrap(transformer)
         with torch.no_grad():
             base.disable_adapters()
             try:
-                base_pred = adapter.predict(base, noisy, sigmas, text).float()
+                base_pred = adapter.predict(base, noisy, t, text).float()
             finally:
                 base.enable_adapters()
         mask = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
         target = torch.where(mask, base_pred, target)
-    pred = adapter.predict(transformer, noisy, sigmas, text)
-    return F.mse_loss(pred.float(), target.float())
+    pred = adapter.predict(transformer, noisy, t, text)
+    return objective.loss(pred, target, t)
 
 
 @contextmanager
@@ -284,10 +286,12 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.seed is not None:
         set_seed(config.seed)
-    generator = torch.Generator().manual_seed((config.seed or 0) + accelerator.process_index)
+    state = RunState.start(config.seed, accelerator.process_index)
+    generator = state.generator
     log.info("process %d of %d on %s", accelerator.process_index, accelerator.num_processes, accelerator.device)
     if accelerator.is_main_process:
         reporter.status("running")
+        ckpt.remove_incomplete(output_dir)
 
     # ---- data and caches ----
     adapter = create_adapter(config, device=accelerator.device,
@@ -312,37 +316,38 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                                                                device_placement=placement)
 
     # ---- resume ----
-    global_step, epoch, batch_in_epoch = 0, 0, 0
     resume_path = ckpt.resolve_resume(output_dir, config.resume_from_checkpoint)
     if resume_path is not None:
-        trainable, state = ckpt.load_checkpoint(resume_path, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                                generator=generator, rank=accelerator.process_index)
+        trainable = ckpt.load_checkpoint(resume_path, state, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                         rank=accelerator.process_index, world_size=accelerator.num_processes)
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
-        global_step, epoch, batch_in_epoch = state["global_step"], state["epoch"], state["batch_in_epoch"]
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, global_step, epoch, batch_in_epoch)
-        if global_step >= max_steps:
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, state.global_step, state.epoch,
+                 state.batch_in_epoch)
+        if state.global_step >= max_steps:
             log.warning("%s is already at max_train_steps=%d: nothing left to train; raise max_train_steps "
                         "(or num_train_epochs) to continue, or set resume_from_checkpoint to null to start over",
                         resume_path, max_steps)
 
     # ---- loop ----
-    losses: list[float] = []
     loss_log = output_dir / "training_log.jsonl"
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-    evaluator.on_start(transformer, global_step)
-    bar = tqdm(total=max_steps, initial=global_step, desc="Training", disable=not accelerator.is_local_main_process)
-    started, start_step = time.time(), global_step
+    evaluator.on_start(transformer, state.global_step)
+    bar = tqdm(total=max_steps, initial=state.global_step, desc="Training",
+               disable=not accelerator.is_local_main_process)
+    started, start_step = time.time(), state.global_step
     accumulated = 0.0
+    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter)
     with _StopFlag() as stop, _closing(evaluator):
-        while global_step < max_steps:
-            batches = data.sampler.epoch_batches(epoch)
+        while state.global_step < max_steps:
+            batches = data.sampler.epoch_batches(state.epoch)
             mine = batches[accelerator.process_index::accelerator.num_processes]
-            while batch_in_epoch < len(mine) and global_step < max_steps:
+            while state.batch_in_epoch < len(mine) and state.global_step < max_steps:
                 if stop.stop:
-                    raise TrainingInterrupted(f"stopped by signal at step {global_step}")
-                latents, text, is_reg = load_batch(mine[batch_in_epoch], data, config, generator, accelerator.device)
-                batch_in_epoch += 1
+                    raise TrainingInterrupted(f"stopped by signal at step {state.global_step}")
+                latents, text, is_reg = load_batch(mine[state.batch_in_epoch], data, config, generator,
+                                                   accelerator.device)
+                state.batch_in_epoch += 1
                 with accelerator.accumulate(transformer):
                     loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
                     accelerator.backward(loss)
@@ -356,37 +361,36 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                     continue
 
                 # ---- one optimizer step done: report, checkpoint ----
-                global_step += 1
                 step_loss, accumulated = accumulated, 0.0
-                losses.append(step_loss)
+                state.record_step(step_loss)
+                step = state.global_step
                 lr = lr_scheduler.get_last_lr()[0]
                 elapsed = time.time() - started
-                it_s = (global_step - start_step) / elapsed if elapsed > 0 else 0.0
-                eta = (max_steps - global_step) / it_s if it_s > 0 else None
+                it_s = (step - start_step) / elapsed if elapsed > 0 else 0.0
+                eta = (max_steps - step) / it_s if it_s > 0 else None
                 bar.update(1)
                 bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
                 if accelerator.is_main_process:
                     with loss_log.open("a") as fh:
-                        fh.write(json.dumps({"step": global_step, "loss": step_loss, "lr": lr, "epoch": epoch}) + "\n")
-                    reporter.progress(global_step, max_steps, step_loss, lr, it_s, eta, epoch=epoch)
-                evaluator.on_step(global_step, transformer, loss=step_loss, lr=lr)
-                if config.checkpointing_steps and global_step % config.checkpointing_steps == 0:
-                    _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
-                                global_step, epoch, batch_in_epoch)
-            if batch_in_epoch >= len(mine):
-                epoch, batch_in_epoch = epoch + 1, 0
+                        fh.write(json.dumps({"step": step, "loss": step_loss, "lr": lr, "epoch": state.epoch}) + "\n")
+                    reporter.progress(step, max_steps, step_loss, lr, it_s, eta, epoch=state.epoch)
+                evaluator.on_step(step, transformer, loss=step_loss, lr=lr)
+                if config.checkpointing_steps and step % config.checkpointing_steps == 0:
+                    save(state)
+            if state.batch_in_epoch >= len(mine):
+                state.next_epoch()
     bar.close()
-    if (config.checkpointing_steps and global_step > 0 and global_step % config.checkpointing_steps
-            and not (output_dir / f"checkpoint-{global_step}").exists()):
+    step = state.global_step
+    if (config.checkpointing_steps and step > 0 and step % config.checkpointing_steps
+            and not (output_dir / f"checkpoint-{step}").exists()):
         # a finished run ends on a checkpoint, so raising max_train_steps later continues exactly from here
-        _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
-                    global_step, epoch, batch_in_epoch)
-    evaluator.on_end(global_step, transformer)
+        save(state)
+    evaluator.on_end(step, transformer)
 
     # ---- save ----
     accelerator.wait_for_everyone()
-    final_loss = losses[-1] if losses else _last_logged_loss(loss_log)
-    result = TrainResult(str(output_dir), global_step, final_loss, losses=losses,
+    final_loss = state.losses[-1] if state.losses else _last_logged_loss(loss_log)
+    result = TrainResult(str(output_dir), step, final_loss, losses=state.losses,
                          vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards,
                          latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded)
     if accelerator.is_main_process:
@@ -427,23 +431,25 @@ def _load_trainable(model, state, config, source: str) -> None:
                          f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
 
 
-def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
-                global_step, epoch, batch_in_epoch):
-    if not accelerator.is_main_process:
-        torch.save(ckpt.rng_state(generator), ckpt.rank_rng_path(config.output_dir, global_step,
-                                                                accelerator.process_index))
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
-    path = ckpt.save_checkpoint(
-        config.output_dir, global_step,
-        trainable=_trainable_state(accelerator.unwrap_model(transformer), config),
-        optimizer=optimizer, lr_scheduler=lr_scheduler, generator=generator,
-        training_state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
-        total_limit=config.checkpoints_total_limit, num_processes=accelerator.num_processes,
-    )
-    log.info("saved %s", path)
-    reporter.checkpoint(global_step, str(path))
+def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter):
+    """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG, its optimizer shard when the
+    optimizer state is sharded); the main process adds the weights and publishes the folder."""
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    def save(state: RunState) -> None:
+        main = accelerator.is_main_process
+        path = ckpt.save_checkpoint(
+            config.output_dir, state,
+            trainable=_trainable_state(accelerator.unwrap_model(transformer), config) if main else None,
+            optimizer=optimizer, lr_scheduler=lr_scheduler, total_limit=config.checkpoints_total_limit,
+            rank=accelerator.process_index, world_size=accelerator.num_processes,
+            barrier=accelerator.wait_for_everyone, sharded_optimizer=sharded,
+        )
+        if main:
+            log.info("saved %s", path)
+            reporter.checkpoint(state.global_step, str(path))
+
+    return save
 
 
 def run(config, backends) -> int:

@@ -29,10 +29,12 @@ import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from simpletuner.models.tread_layout import TreadLayout, slice_concat_rotary
 
 __all__ = [
     "TREADRouter",
@@ -41,7 +43,7 @@ __all__ = [
     "TreadRoute",
     "apply_tread",
     "resolve_routes",
-    "slice_concat_rotary",
+    "slice_concat_rotary",  # re-exported from simpletuner.models.tread_layout
 ]
 
 FIELD = "tread_config.routes"
@@ -191,38 +193,6 @@ def _check_mask(mask: torch.Tensor, batch: int, num: int) -> torch.Tensor:
             f"force_keep: mask shape {tuple(mask.shape)} does not match the image tokens ({batch}, {num})"
         )
     return mask
-
-
-def slice_concat_rotary(rotary: Any, idx: torch.Tensor, text_len: int) -> Any:
-    """Rotary embedding laid out over concat(text, image) positions (Flux: a (cos, sin) tuple of (S, D) tensors, no
-    batch dim): keep every text position and the kept image positions. Needs a batch-shared selection."""
-    if rotary is None:
-        return None
-    kept = idx[0]
-    if idx.shape[0] > 1 and idx.stride(0) != 0 and not bool((idx == kept).all()):  # stride 0: shared (expanded)
-        raise ValueError("slice_concat_rotary: RoPE without a batch dimension needs shared_selection=True")
-    tensors = rotary if isinstance(rotary, (tuple, list)) else (rotary,)
-    rows = torch.cat([torch.arange(text_len, device=kept.device), kept + text_len]).to(tensors[0].device)
-    sliced = tuple(t.index_select(0, rows) for t in tensors)
-    return type(rotary)(sliced) if isinstance(rotary, (tuple, list)) else sliced[0]
-
-
-@dataclass
-class TreadLayout:
-    """How a model family's blocks carry tokens. Defaults describe diffusers' Flux blocks (double and single):
-    `block(hidden_states=img, encoder_hidden_states=txt, temb, image_rotary_emb, joint_attention_kwargs)` ->
-    `(encoder_hidden_states, hidden_states)`; with gradient checkpointing the same arguments arrive positionally."""
-
-    blocks: list[nn.Module]
-    image_arg: str = "hidden_states"
-    image_pos: int = 0
-    text_arg: str | None = "encoder_hidden_states"  # only its length is used (for slicing positions)
-    text_pos: int | None = 1
-    rotary_arg: str | None = "image_rotary_emb"
-    rotary_pos: int | None = 3
-    image_output: int | None = 1  # index of the image tokens in the block's output tuple; None: output is them
-    slice_rotary: Callable[[Any, torch.Tensor, int], Any] = slice_concat_rotary
-    shared_selection: bool = True
 
 
 def _get(args: tuple, kwargs: dict, name: str | None, pos: int | None) -> Any:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from simpletuner.config import (
+    CURRENT_CONFIG_VERSION,
     ConfigError,
     dump_train_config,
     load_train_config,
@@ -131,5 +132,5 @@ def test_dump_round_trips(make_config, tmp_path):
 def test_prepare_returns_normalised_values(make_config):
     values, warnings, source = prepare_train_config(make_config())
     assert values["data_backend_config"] == "config/multidatabackend.json"
-    assert values["config_version"] == 1 and "flux_schedule_shift" not in values
+    assert values["config_version"] == CURRENT_CONFIG_VERSION and "flux_schedule_shift" not in values
     assert source is None and warnings

@@ -32,7 +32,7 @@ def test_v0_to_v1_renames_flow_options(old, new):
     warnings: list[str] = []
     out = migrate({old: "true" if "auto" in old or "uniform" in old else 2.0}, warnings)
     assert old not in out and new in out
-    assert out["config_version"] == 1
+    assert out["config_version"] == CURRENT_CONFIG_VERSION
     assert warnings == [f"{old}: renamed to {new}"]
 
 
@@ -48,10 +48,35 @@ def test_v0_to_v1_lora_type_spellings(value):
     assert migrate({"lora_type": value})["lora_type"] == "standard"
 
 
-def test_v1_config_is_not_migrated_again():
+def test_current_config_is_not_migrated_again():
     warnings: list[str] = []
-    out = migrate({"config_version": 1, "flux_schedule_shift": 1}, warnings)
-    assert out == {"config_version": 1, "flux_schedule_shift": 1} and warnings == []
+    raw = {"config_version": CURRENT_CONFIG_VERSION, "flux_schedule_shift": 1, "flux_lora_target": "x"}
+    assert migrate(raw, warnings) == raw and warnings == []
+
+
+@pytest.mark.parametrize("old, new, value", [("flux_lora_target", "lora_target", "context"),
+                                             ("flux_guidance_value", "guidance_value", 3.5)])
+def test_v1_to_v2_family_options_become_checked_values(old, new, value):
+    warnings: list[str] = []
+    out = migrate({"config_version": 1, "model_family": "flux", old: value}, warnings)
+    assert out == {"config_version": 2, "model_family": "flux", new: value}
+    assert warnings == []  # SimpleTuner's spelling is a valid alias, not a deprecated name
+    # and the loaded config carries it as the family-checked value
+    config = load_train_config({"model_family": "flux", "model_flavour": "tiny", old: value}).config
+    assert getattr(config, new) == value
+
+
+def test_v1_to_v2_flux_option_on_another_family_is_dropped_with_a_warning():
+    warnings: list[str] = []
+    out = migrate({"config_version": 1, "model_family": "sd3", "flux_lora_target": "all"}, warnings)
+    assert "flux_lora_target" not in out and "lora_target" not in out
+    assert warnings == ["flux_lora_target: only applies to model_family flux, not 'sd3'; ignored"]
+
+
+def test_v1_to_v2_keeps_the_new_name_when_both_are_set():
+    warnings: list[str] = []
+    out = migrate({"config_version": 1, "flux_lora_target": "all", "lora_target": "mmdit"}, warnings)
+    assert out["lora_target"] == "mmdit" and "also set" in warnings[0]
 
 
 def test_migrations_apply_step_by_step(monkeypatch):

@@ -78,11 +78,10 @@ def test_run_writes_progress_checkpoint_and_lora(trained):
 
 
 def _fixed_batch_loss(pipe, adapter, latents, text, noise, sigmas):
-    from simpletuner.training.flow import add_noise
-
+    objective = adapter.objective
     with torch.no_grad():
-        pred = adapter.predict(pipe.transformer, add_noise(latents, noise, sigmas), sigmas, text)
-    return torch.nn.functional.mse_loss(pred, noise - latents).item()
+        pred = adapter.predict(pipe.transformer, objective.add_noise(latents, noise, sigmas), sigmas, text)
+    return torch.nn.functional.mse_loss(pred, objective.target(latents, noise, sigmas)).item()
 
 
 def _fixed_batch(adapter, dataset: Path, count=4):

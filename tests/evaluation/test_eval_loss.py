@@ -51,7 +51,7 @@ def test_identical_across_evaluations_and_changes_with_the_weights(tiny_adapter,
 def test_matches_the_training_objective_at_one_level(tiny_adapter, tiny_transformer):
     (item,) = _items(tiny_adapter, 1)
     tiny_transformer.eval()
-    metrics = evaluation_loss(tiny_adapter, tiny_transformer, [item], sigmas=(0.5,))
+    metrics = evaluation_loss(tiny_adapter, tiny_transformer, [item], levels=(0.5,))
     x0 = item.latents.unsqueeze(0)
     noise = fixed_noise(item.key, item.latents.shape).unsqueeze(0)
     sigma = torch.tensor([0.5])

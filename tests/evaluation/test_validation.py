@@ -104,11 +104,12 @@ def test_validation_pipeline_kwargs():
     adapter = FluxAdapter(flux_config())
     text = {"prompt_embeds": "p", "pooled_prompt_embeds": "pp"}
     negative = {"prompt_embeds": "n", "pooled_prompt_embeds": "np"}
+    # the T5 length travels too, so a call with prompt= instead of embeddings encodes like the cache did
     assert adapter.validation_pipeline_kwargs(text, negative, guidance=3.5, guidance_real=1.0) == {
-        "prompt_embeds": "p", "pooled_prompt_embeds": "pp", "guidance_scale": 3.5}
+        "prompt_embeds": "p", "pooled_prompt_embeds": "pp", "guidance_scale": 3.5, "max_sequence_length": 64}
     assert adapter.validation_pipeline_kwargs(text, negative, guidance=3.5, guidance_real=4.0) == {
         "prompt_embeds": "p", "pooled_prompt_embeds": "pp", "guidance_scale": 3.5, "negative_prompt_embeds": "n",
-        "negative_pooled_prompt_embeds": "np", "true_cfg_scale": 4.0}
+        "negative_pooled_prompt_embeds": "np", "true_cfg_scale": 4.0, "max_sequence_length": 64}
 
 
 def test_preview_latents_match_the_pipeline_decode_path(tiny_adapter):

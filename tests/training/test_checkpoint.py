@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import json
+import pickle
+import threading
 
 import pytest
 import torch
 
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.state import RunState
 
 
-def _parts():
+def _parts(seed=0):
+    torch.manual_seed(seed)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
@@ -17,40 +21,128 @@ def _parts():
     return model, opt, sched
 
 
+def _state(step, seed=1, **position):
+    state = RunState(generator=torch.Generator().manual_seed(seed), global_step=step, **position)
+    return state
+
+
 def test_save_rotate_and_resolve_latest(tmp_path):
     model, opt, sched = _parts()
-    g = torch.Generator().manual_seed(1)
     for step in (5, 10, 15):
-        ckpt.save_checkpoint(tmp_path, step, trainable=dict(model.named_parameters()), optimizer=opt,
-                             lr_scheduler=sched, generator=g, training_state={"epoch": 0, "batch_in_epoch": step},
-                             total_limit=2)
+        ckpt.save_checkpoint(tmp_path, _state(step, batch_in_epoch=step), trainable=dict(model.named_parameters()),
+                             optimizer=opt, lr_scheduler=sched, total_limit=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-15"]
     assert ckpt.resolve_resume(tmp_path, "latest").name == "checkpoint-15"
     assert ckpt.resolve_resume(tmp_path, "checkpoint-10").name == "checkpoint-10"
     assert ckpt.resolve_resume(tmp_path / "empty", "latest") is None
     with pytest.raises(FileNotFoundError, match="resume_from_checkpoint"):
         ckpt.resolve_resume(tmp_path, "checkpoint-99")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
-def test_incomplete_folders_are_ignored(tmp_path):
+def test_incomplete_folders_are_ignored_and_removed_at_start(tmp_path):
     (tmp_path / "checkpoint-50").mkdir()  # no training_state.json: a crash mid-write in an older version
-    (tmp_path / ".checkpoint-60-abc").mkdir()
+    (tmp_path / ".checkpoint-60-abc").mkdir()  # an older version's temp folder
+    (tmp_path / ".checkpoint-70.tmp").mkdir()
+    (tmp_path / ".checkpoint-70.tmp" / "rng.pt").write_bytes(b"half")
     assert ckpt.list_checkpoints(tmp_path) == []
+    removed = ckpt.remove_incomplete(tmp_path)
+    assert sorted(p.name for p in removed) == [".checkpoint-60-abc", ".checkpoint-70.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-50"]
 
 
-def test_restore_brings_back_optimizer_rng_and_state(tmp_path):
+def test_restore_brings_back_optimizer_rng_and_position(tmp_path):
     model, opt, sched = _parts()
-    g = torch.Generator().manual_seed(3)
+    state = _state(7, seed=3, epoch=2, batch_in_epoch=1)
+    state.record_step(0.5)  # step 8, last/best loss recorded
     torch.manual_seed(9)
-    path = ckpt.save_checkpoint(tmp_path, 7, trainable=dict(model.named_parameters()), optimizer=opt,
-                                lr_scheduler=sched, generator=g, training_state={"epoch": 2, "batch_in_epoch": 1},
-                                total_limit=None)
-    expected = (torch.rand(3), torch.rand(3, generator=g))
-    model2, opt2, sched2 = _parts()
-    g2 = torch.Generator().manual_seed(0)
-    weights, state = ckpt.load_checkpoint(path, optimizer=opt2, lr_scheduler=sched2, generator=g2)
-    assert state == {"epoch": 2, "batch_in_epoch": 1, "global_step": 7}
+    path = ckpt.save_checkpoint(tmp_path, state, trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None)
+    expected = (torch.rand(3), torch.rand(3, generator=state.generator))
+    model2, opt2, sched2 = _parts(seed=1)
+    resumed = _state(0, seed=0)
+    weights = ckpt.load_checkpoint(path, resumed, optimizer=opt2, lr_scheduler=sched2)
+    assert (resumed.global_step, resumed.epoch, resumed.batch_in_epoch) == (8, 2, 1)
+    assert resumed.last_loss == 0.5 and resumed.best_loss == 0.5
     assert torch.equal(weights["weight"], model.weight.detach())
-    assert torch.equal(torch.rand(3), expected[0]) and torch.equal(torch.rand(3, generator=g2), expected[1])
+    assert torch.equal(torch.rand(3), expected[0]) and torch.equal(torch.rand(3, generator=resumed.generator),
+                                                                   expected[1])
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    assert json.loads((path / "training_state.json").read_text())["global_step"] == 7
+    meta = json.loads((path / "training_state.json").read_text())
+    assert meta["global_step"] == 8 and meta["world_size"] == 1 and meta["sharded_optimizer"] is False
+
+
+def test_nothing_is_unpickled_on_resume(tmp_path):
+    """A checkpoint file that needs pickle to load (e.g. a planted object) is refused, not executed."""
+    model, opt, sched = _parts()
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None)
+
+    class Planted:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    torch.save({"state": {}, "param_groups": [], "x": Planted()}, path / "optimizer.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_checkpoint(path, _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2])
+
+
+def test_damaged_training_state_names_the_file(tmp_path):
+    model, opt, sched = _parts()
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None)
+    (path / "training_state.json").write_text("")
+    with pytest.raises(ValueError, match=r"checkpoint-3/training_state.json: not a readable training state"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)
+
+
+def _save_as_ranks(tmp_path, world, sharded):
+    """Every rank saves together (threads standing in for processes, a barrier for accelerate's)."""
+    barrier = threading.Barrier(world)
+    parts = [_parts(seed=r) for r in range(world)]
+    states = [_state(4, seed=10 + r, batch_in_epoch=2) for r in range(world)]
+    errors = []
+
+    def rank(r):
+        try:
+            model, opt, sched = parts[r]
+            ckpt.save_checkpoint(tmp_path, states[r], trainable=dict(model.named_parameters()) if r == 0 else None,
+                                 optimizer=opt, lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
+                                 barrier=barrier.wait, sharded_optimizer=sharded)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    return parts, states
+
+
+def test_sharded_optimizer_state_is_saved_and_restored_per_rank(tmp_path):
+    parts, states = _save_as_ranks(tmp_path, world=2, sharded=True)
+    path = tmp_path / "checkpoint-4"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer-rank0.pt", "optimizer-rank1.pt", "rng-rank1.pt", "rng.pt", "scheduler.pt",
+        "trainable.safetensors", "training_state.json"]
+    for r in range(2):
+        _, opt, sched = _parts(seed=99)
+        resumed = _state(0, seed=0)
+        ckpt.load_checkpoint(path, resumed, optimizer=opt, lr_scheduler=sched, rank=r, world_size=2)
+        # each rank gets back its own optimizer shard and its own RNG
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], parts[r][1].state_dict()["state"][0]["exp_avg"])
+        assert torch.equal(resumed.generator.get_state(), states[r].generator.get_state())
+    with pytest.raises(ValueError, match="optimizer shards of 2 processes; resume it with 2 processes"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2], world_size=1)
+
+
+def test_replicated_optimizer_is_saved_once(tmp_path):
+    _save_as_ranks(tmp_path, world=2, sharded=False)
+    names = sorted(p.name for p in (tmp_path / "checkpoint-4").iterdir())
+    assert "optimizer.pt" in names and not any(n.startswith("optimizer-rank") for n in names)
+    with pytest.raises(FileNotFoundError, match="no RNG state for process 2"):
+        ckpt.load_checkpoint(tmp_path / "checkpoint-4", _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2],
+                             rank=2, world_size=3)

@@ -12,7 +12,7 @@ from diffusers.hooks import apply_group_offloading
 from peft import LoraConfig, inject_adapter_in_model
 
 from simpletuner.training.offload import check_offload_options, enable_group_offload, group_offload_enabled
-from simpletuner.training.quantize import quantize_model
+from simpletuner.models.quantize import quantize_model
 from simpletuner.training.tread import TreadLayout, apply_tread
 from tests.helpers import tiny_flux_transformer as tiny_flux, flux_transformer_inputs as flux_inputs
 

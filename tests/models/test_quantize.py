@@ -7,7 +7,7 @@ import torch
 from optimum.quanto.nn import QLinear
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
 
-from simpletuner.training.quantize import (
+from simpletuner.models.quantize import (
     check_quantization_supported,
     check_quantized_training,
     quantize_model,

@@ -5,8 +5,8 @@ import torch
 
 from simpletuner.data.cache import text_key
 from simpletuner.data.discovery import DatasetError
-from simpletuner.evaluation.evaluator import Evaluator
-from tests.evaluation.conftest import CpuAccelerator, RecordingReporter
+from simpletuner.training.evaluator import Evaluator
+from tests.helpers import CpuAccelerator, RecordingReporter
 
 
 def _evaluator(make_setup, adapter, reporter=None, **overrides):

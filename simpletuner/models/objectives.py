@@ -1,0 +1,180 @@
+"""Training objectives: how a step draws timesteps, noises the latents, and what the model must predict.
+
+One object per run, chosen by ``prediction_type`` (the family's default unless the config names another), shared by
+the training loss and the eval loss, so neither keeps its own copy of the noising step:
+
+- ``flow_matching``: rectified flow, ``x_t = (1 - sigma) x_0 + sigma * noise``, target the velocity
+  ``noise - x_0``; ``t`` is sigma in (0, 1), drawn logit-normal or uniform, then shifted (a fixed
+  ``flow_schedule_shift`` or, with ``flow_schedule_auto_shift``, the resolution-dependent shift whose constants come
+  from the model's own scheduler config, not Flux's for everyone).
+- ``epsilon`` / ``v_prediction``: DDPM, ``t`` an integer timestep; the schedule (betas, optional zero-terminal-SNR
+  rescale) is diffusers' ``DDPMScheduler`` built from the model's scheduler config, which owns ``add_noise`` and
+  ``get_velocity``.
+
+Timesteps ``t`` are in the objective's own units; a family's adapter turns them into what its transformer takes.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# fixed noise levels for the eval loss, as fractions of the schedule (the same for every run whatever its shift)
+EVAL_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, *([1] * (like.ndim - 1))).to(like)
+
+
+class Objective(ABC):
+    """What a training step needs from the noise schedule. Subclasses are small; see the module docstring."""
+
+    name: str = ""
+
+    @abstractmethod
+    def sample_timesteps(self, batch: int, *, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        """Training timesteps for a batch, drawn from ``generator`` only."""
+
+    @abstractmethod
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The noisy latents the model sees at ``t``."""
+
+    @abstractmethod
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the model is trained to predict."""
+
+    @abstractmethod
+    def eval_timesteps(self) -> torch.Tensor:
+        """The fixed levels the eval loss is measured at (one per ``EVAL_FRACTIONS``)."""
+
+    @abstractmethod
+    def level_name(self, t: float) -> str:
+        """A metric-name suffix for one eval level, e.g. ``sigma_0.1`` or ``t_99``."""
+
+    @abstractmethod
+    def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
+        """``t`` of a diffusers pipeline's denoising step ``index`` (after ``set_timesteps``), in this objective's
+        units: what the trainer would pass for the same noise level."""
+
+    def loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: the mean squared error in float32."""
+        return F.mse_loss(pred.float(), target.float())
+
+    def per_sample_loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """(batch,) mean squared error per sample (the eval loss reports one level per sample)."""
+        return (pred.float() - target.float()).pow(2).flatten(1).mean(1)
+
+
+class FlowMatching(Objective):
+    """Rectified flow with SD3/Flux timestep sampling and shift."""
+
+    name = "flow_matching"
+
+    def __init__(self, *, shift: float = 1.0, auto_shift: bool = False, uniform: bool = False,
+                 sigmoid_scale: float = 1.0, base_seq_len: int = 256, max_seq_len: int = 4096,
+                 base_shift: float = 0.5, max_shift: float = 1.15):
+        self.shift = float(shift or 1.0)
+        self.auto_shift = auto_shift
+        self.uniform = uniform
+        self.sigmoid_scale = sigmoid_scale
+        self.base_seq_len, self.max_seq_len = base_seq_len, max_seq_len
+        self.base_shift, self.max_shift = base_shift, max_shift
+
+    @classmethod
+    def from_config(cls, config, scheduler_config: Mapping[str, Any]) -> FlowMatching:
+        """The run's settings (``flow_*``) over the family's scheduler constants (for the auto shift)."""
+        sc = scheduler_config or {}
+        return cls(
+            shift=float(config.flow_schedule_shift or 1.0), auto_shift=bool(config.flow_schedule_auto_shift),
+            uniform=bool(config.flow_use_uniform_schedule), sigmoid_scale=float(config.flow_sigmoid_scale),
+            base_seq_len=int(sc.get("base_image_seq_len") or 256), max_seq_len=int(sc.get("max_image_seq_len") or 4096),
+            base_shift=float(sc.get("base_shift") or 0.5), max_shift=float(sc.get("max_shift") or 1.15),
+        )
+
+    def resolution_mu(self, image_seq_len: int) -> float:
+        """The resolution-dependent shift exponent: linear in the number of image tokens."""
+        slope = (self.max_shift - self.base_shift) / (self.max_seq_len - self.base_seq_len)
+        return image_seq_len * slope + self.base_shift - slope * self.base_seq_len
+
+    def shift_sigmas(self, sigmas: torch.Tensor, image_seq_len: int) -> torch.Tensor:
+        if self.auto_shift:
+            mu = self.resolution_mu(image_seq_len)
+            return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+        if self.shift == 1.0:
+            return sigmas
+        return self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
+
+    def sample_timesteps(self, batch: int, *, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        if self.uniform:
+            sigmas = torch.rand(batch, generator=generator)
+        else:  # logit-normal: more mass mid-range
+            sigmas = torch.sigmoid(self.sigmoid_scale * torch.randn(batch, generator=generator))
+        return self.shift_sigmas(sigmas, image_seq_len)
+
+    def add_noise(self, latents, noise, t):
+        s = _per_sample(t, latents)
+        return (1 - s) * latents + s * noise
+
+    def target(self, latents, noise, t):
+        return noise - latents
+
+    def eval_timesteps(self) -> torch.Tensor:
+        return torch.tensor(EVAL_FRACTIONS, dtype=torch.float32)
+
+    def level_name(self, t: float) -> str:
+        return f"sigma_{t:g}"
+
+    def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
+        return scheduler.sigmas[index].reshape(1).float()
+
+
+class DDPMObjective(Objective):
+    """Epsilon or v-prediction on a DDPM schedule (diffusers' ``DDPMScheduler`` does the maths)."""
+
+    def __init__(self, prediction_type: str, scheduler_config: Mapping[str, Any] | None = None, *,
+                 rescale_zero_terminal_snr: bool = False):
+        from diffusers import DDPMScheduler
+
+        if prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"prediction_type: {prediction_type!r} is not a DDPM objective")
+        self.name = prediction_type
+        config = {k: v for k, v in dict(scheduler_config or {}).items() if not k.startswith("_")}
+        config.update(prediction_type=prediction_type, rescale_betas_zero_snr=rescale_zero_terminal_snr)
+        self.scheduler = DDPMScheduler.from_config(config)
+        self.num_train_timesteps = int(self.scheduler.config.num_train_timesteps)
+
+    def sample_timesteps(self, batch: int, *, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        return torch.randint(0, self.num_train_timesteps, (batch,), generator=generator)
+
+    def add_noise(self, latents, noise, t):
+        return self.scheduler.add_noise(latents, noise, t.to(latents.device).long())
+
+    def target(self, latents, noise, t):
+        if self.name == "epsilon":
+            return noise
+        return self.scheduler.get_velocity(latents, noise, t.to(latents.device).long())
+
+    def eval_timesteps(self) -> torch.Tensor:
+        last = self.num_train_timesteps - 1
+        return torch.tensor([round(f * last) for f in EVAL_FRACTIONS], dtype=torch.long)
+
+    def level_name(self, t: float) -> str:
+        return f"t_{int(t)}"
+
+    def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
+        return scheduler.timesteps[index].reshape(1).long()
+
+
+def build_objective(config, scheduler_config: Mapping[str, Any] | None) -> Objective:
+    """The objective ``config.prediction_type`` names, with the family's scheduler constants."""
+    name = config.prediction_type or "flow_matching"
+    if name == "flow_matching":
+        return FlowMatching.from_config(config, scheduler_config or {})
+    return DDPMObjective(name, scheduler_config,
+                         rescale_zero_terminal_snr=bool(config.rescale_betas_zero_snr))

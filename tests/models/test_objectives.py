@@ -1,0 +1,108 @@
+"""Training objectives: flow matching's sampling and shift, DDPM's epsilon / v targets against diffusers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from simpletuner.models.objectives import EVAL_FRACTIONS, DDPMObjective, FlowMatching, build_objective
+from tests.helpers import flux_config
+
+SD_SCHEDULE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+
+
+def test_sigmas_in_range_and_reproducible():
+    flow = FlowMatching()
+    a = flow.sample_timesteps(1000, generator=torch.Generator().manual_seed(0), image_seq_len=256)
+    b = flow.sample_timesteps(1000, generator=torch.Generator().manual_seed(0), image_seq_len=256)
+    assert torch.equal(a, b) and a.min() > 0 and a.max() < 1
+    assert abs(a.mean().item() - 0.5) < 0.03  # logit-normal is symmetric around 0.5
+    u = FlowMatching(uniform=True).sample_timesteps(1000, generator=torch.Generator().manual_seed(0), image_seq_len=1)
+    assert u.std() > a.std()  # uniform is wider than sigmoid(N(0,1))
+    wide = FlowMatching(sigmoid_scale=3.0).sample_timesteps(1000, generator=torch.Generator().manual_seed(0),
+                                                            image_seq_len=1)
+    assert wide.std() > a.std()
+
+
+def test_shift_moves_mass_to_high_noise_and_keeps_endpoints():
+    s = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    shifted = FlowMatching(shift=3.0).shift_sigmas(s, 256)
+    assert shifted[0] == 0 and shifted[-1] == 1
+    assert torch.all(shifted[1:3] > s[1:3])
+    assert torch.allclose(FlowMatching(shift=3.0).shift_sigmas(torch.tensor([0.5]), 256), torch.tensor([0.75]))
+    assert torch.equal(FlowMatching(shift=1.0).shift_sigmas(s, 256), s)
+
+
+def test_auto_shift_reads_the_models_scheduler_constants():
+    flux = FlowMatching.from_config(flux_config(flow_schedule_auto_shift=True),
+                                    {"base_image_seq_len": 256, "max_image_seq_len": 4096,
+                                     "base_shift": 0.5, "max_shift": 1.15})
+    # 256 tokens -> mu 0.5, 4096 tokens -> mu 1.15 (FluxPipeline's defaults)
+    assert math.isclose(flux.resolution_mu(256), 0.5) and math.isclose(flux.resolution_mu(4096), 1.15)
+    s = torch.tensor([0.5])
+    assert torch.allclose(flux.shift_sigmas(s, 4096), torch.tensor([math.exp(1.15) / (math.exp(1.15) + 1)]))
+    # another family's constants give another shift at the same size
+    other = FlowMatching.from_config(flux_config(flow_schedule_auto_shift=True),
+                                     {"base_image_seq_len": 256, "max_image_seq_len": 8192,
+                                      "base_shift": 0.5, "max_shift": 0.9})
+    assert other.resolution_mu(4096) < flux.resolution_mu(4096)
+
+
+def test_flow_noise_and_target():
+    flow = FlowMatching()
+    x, n = torch.zeros(2, 1, 2, 2), torch.ones(2, 1, 2, 2)
+    out = flow.add_noise(x, n, torch.tensor([0.0, 0.3]))
+    assert torch.allclose(out[0], x[0]) and torch.allclose(out[1], torch.full((1, 2, 2), 0.3))
+    assert torch.equal(flow.target(x, n, torch.tensor([0.5, 0.5])), n - x)
+    assert flow.eval_timesteps().tolist() == pytest.approx(EVAL_FRACTIONS)
+    assert flow.level_name(0.1) == "sigma_0.1"
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_ddpm_objectives_match_diffusers_scheduler(prediction_type):
+    from diffusers import DDPMScheduler
+
+    objective = DDPMObjective(prediction_type, SD_SCHEDULE)
+    reference = DDPMScheduler(**SD_SCHEDULE, prediction_type=prediction_type)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    t = objective.sample_timesteps(3, generator=g, image_seq_len=64)
+    assert t.dtype == torch.long and 0 <= t.min() and t.max() < 1000
+    noisy = objective.add_noise(x0, noise, t)
+    assert torch.equal(noisy, reference.add_noise(x0, noise, t))
+    expected = noise if prediction_type == "epsilon" else reference.get_velocity(x0, noise, t)
+    assert torch.equal(objective.target(x0, noise, t), expected)
+    # the v target really is alpha * noise - sigma * x0
+    if prediction_type == "v_prediction":
+        alpha_bar = reference.alphas_cumprod[t].view(-1, 1, 1, 1)
+        assert torch.allclose(expected, alpha_bar.sqrt() * noise - (1 - alpha_bar).sqrt() * x0, atol=1e-6)
+    assert objective.eval_timesteps().tolist() == [round(f * 999) for f in EVAL_FRACTIONS]
+    assert objective.level_name(99) == "t_99"
+
+
+def test_zero_terminal_snr_rescale_matches_diffusers():
+    from diffusers.schedulers.scheduling_ddpm import rescale_zero_terminal_snr
+
+    objective = DDPMObjective("v_prediction", SD_SCHEDULE, rescale_zero_terminal_snr=True)
+    plain = DDPMObjective("v_prediction", SD_SCHEDULE)
+    expected = rescale_zero_terminal_snr(plain.scheduler.betas)
+    assert torch.allclose(objective.scheduler.betas, expected)
+    assert objective.scheduler.alphas_cumprod[-1] < 1e-6 < plain.scheduler.alphas_cumprod[-1]  # zero SNR at T
+
+
+def test_build_objective_follows_prediction_type():
+    assert isinstance(build_objective(flux_config(), {}), FlowMatching)
+    assert build_objective(flux_config(flow_schedule_shift=2.0), {}).shift == 2.0
+
+
+def test_pipeline_timestep_units():
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    flow_sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    flow_sched.set_timesteps(4)
+    assert FlowMatching().pipeline_timestep(flow_sched, 1).item() == pytest.approx(flow_sched.sigmas[1].item())
+    ddpm = DDPMScheduler(**SD_SCHEDULE)
+    ddpm.set_timesteps(4)
+    assert DDPMObjective("epsilon", SD_SCHEDULE).pipeline_timestep(ddpm, 1).item() == int(ddpm.timesteps[1])
