@@ -24,11 +24,25 @@ class _LazyParser(argparse.ArgumentParser):
     """Top-level parser; subcommand arguments are added only for the subcommand being run."""
 
 
+def families_epilog() -> str:
+    """The model families and their flavours, from the family table (no model code is imported)."""
+    from simpletuner.config.families import FAMILIES
+
+    lines = ["model families (model_family: model_flavour choices, default first):"]
+    for name, fam in sorted(FAMILIES.items()):
+        others = [f for f in fam.flavours if f != fam.default_flavour]
+        lines.append(f"  {name}: {', '.join([fam.default_flavour, *others])}")
+    return "\n".join(lines)
+
+
 def _build_parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = _LazyParser(prog="simpletuner", description="Fine-tune diffusion models.")
+    parser = _LazyParser(prog="simpletuner", description="Fine-tune diffusion models.", epilog=families_epilog(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        extra = {"epilog": families_epilog(), "formatter_class": argparse.RawDescriptionHelpFormatter} \
+            if name in ("train", "validate", "configure") else {}
+        sp = sub.add_parser(name, help=help_text, description=help_text, **extra)
         if name == selected:
             module = importlib.import_module(module_name)
             module.add_arguments(sp)

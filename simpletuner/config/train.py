@@ -198,7 +198,8 @@ class TrainConfig(StrictModel):
         None, "model", "load the transformer from here instead of the base model"
     )
     pretrained_transformer_subfolder: Optional[str] = _field(
-        "transformer", "model", "subfolder of the transformer weights"
+        None, "model", "subfolder of the transformer (or UNet) weights; empty = the family's own ('transformer', "
+                       "'unet'), 'none' = the path itself"
     )
     pretrained_vae_model_name_or_path: Optional[str] = _field(None, "model", "load the VAE from here instead")
     revision: Optional[str] = _field(None, "model", "git revision of the base model on the Hub")

@@ -49,8 +49,7 @@ class _AdapterMeta(ABCMeta):
         cls = super().__new__(mcls, name, bases, namespace, **kwargs)
         if namespace.get("family"):
             missing = sorted(cls.__abstractmethods__)
-            if cls.pipeline_class is None:
-                missing.append("pipeline_class")
+            missing += [attr for attr in ("pipeline_class", "denoiser_class") if getattr(cls, attr) is None]
             if missing:
                 raise TypeError(f"{name} (model family {namespace['family']!r}) does not implement the adapter "
                                 f"contract: {', '.join(missing)} (see simpletuner/models/base.py)")
@@ -58,12 +57,23 @@ class _AdapterMeta(ABCMeta):
 
 
 class ModelAdapter(metaclass=_AdapterMeta):
-    """Base class for one model family. Subclasses set the class attributes and implement the abstract methods."""
+    """Base class for one model family. Subclasses set the class attributes and implement the abstract methods;
+    the rest has defaults that fit diffusers' usual layout (override what a family does differently)."""
 
     #: the ``model_family`` name, as in the family table
     family: str = ""
     #: the diffusers pipeline class used for validation and for saving/loading LoRA weights
     pipeline_class: Any = None
+    #: the denoiser's model class, and its subfolder (also its pipeline component name: "transformer" or "unet")
+    denoiser_class: Any = None
+    denoiser_subfolder: str = "transformer"
+    #: the VAE's model class (subfolder and component "vae"); None means diffusers' AutoencoderKL
+    vae_class: Any = None
+    #: (encoder subfolder, encoder class, tokenizer subfolder, tokenizer class) for each text encoder, in the order
+    #: ``text_encoder_1_precision``, ``text_encoder_2_precision``, ... refer to them
+    text_encoder_specs: tuple[tuple[str, Any, str, Any], ...] = ()
+    #: the keyword the pipeline's ``save_lora_weights`` takes the denoiser's LoRA layers under
+    lora_layers_argument: str = "transformer_lora_layers"
     #: pixel multiple a training image must have (VAE downscale x transformer patch size)
     resolution_multiple: int = 16
 
@@ -95,7 +105,8 @@ class ModelAdapter(metaclass=_AdapterMeta):
     @abstractmethod
     def write_tiny_checkpoint(folder: Path) -> None:
         """Write a small random-initialised model in the real diffusers layout (model_index.json and one folder
-        per component) into ``folder``; deterministic, on a forked RNG so it never shifts a run's random draws."""
+        per component, as ``pipeline.save_pretrained`` writes it) into ``folder``; deterministic, on a forked RNG
+        (``torch.random.fork_rng``) so writing it mid-run never shifts the run's random draws."""
 
     def component_identity(self, component: str) -> str:
         """A stable string naming the weights of ``component`` (a cache fingerprint ingredient)."""
@@ -110,18 +121,50 @@ class ModelAdapter(metaclass=_AdapterMeta):
         return json.dumps([self.family, path, component, revision, digest])
 
     # ---- loading ---------------------------------------------------------------------------------------
-    @abstractmethod
+    def denoiser_source(self) -> tuple[str, str | None]:
+        """(path, subfolder) of the denoiser: ``pretrained_transformer_model_name_or_path`` when set (a folder, a
+        hub id or a single ``.safetensors`` file), else the model itself; ``pretrained_transformer_subfolder``
+        defaults to the family's own subfolder, as in SimpleTuner ('none' means the path itself)."""
+        path = self.config.pretrained_transformer_model_name_or_path or self.model_path()
+        return path, self.config.pretrained_transformer_subfolder or self.denoiser_subfolder
+
     def load_transformer(self) -> torch.nn.Module:
-        """The denoiser (transformer or UNet) in ``weight_dtype``, on the CPU, in train mode and unfrozen."""
+        """The denoiser (transformer or UNet) in ``weight_dtype``, on the CPU."""
+        path, subfolder = self.denoiser_source()
+        if str(path).endswith((".safetensors", ".sft")):
+            return self.denoiser_class.from_single_file(path, torch_dtype=self.weight_dtype)
+        return self.denoiser_class.from_pretrained(
+            path, subfolder=subfolder if subfolder not in ("", "none", None) else None,
+            torch_dtype=self.weight_dtype, revision=self.config.revision, variant=self.config.variant,
+        )
 
-    @abstractmethod
     def load_vae(self) -> torch.nn.Module:
-        """Load ``self.vae`` (frozen, eval, on ``self.device``) and return it."""
+        """Load ``self.vae`` (frozen, eval, float32, on ``self.device``): ``pretrained_vae_model_name_or_path`` (a
+        VAE folder or a model with a ``vae/`` subfolder) or the model's own."""
+        if self.vae_class is None:
+            from diffusers import AutoencoderKL
 
-    @abstractmethod
+            vae_class = AutoencoderKL
+        else:
+            vae_class = self.vae_class
+        path = self.config.pretrained_vae_model_name_or_path or self.model_path()
+        subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
+        self.vae = vae_class.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
+        self.vae.requires_grad_(False).eval().to(self.device)
+        return self.vae
+
     def load_text_encoders(self) -> None:
-        """Load ``self.text_encoders`` and ``self.tokenizers`` (frozen, eval, on ``self.device``), then call
-        ``quantize_text_encoders``."""
+        """Load ``self.text_encoders`` and ``self.tokenizers`` from ``text_encoder_specs`` (frozen, eval, on
+        ``self.device``) and apply ``text_encoder_<n>_precision``."""
+        path, revision = self.model_path(), self.config.revision
+        self.tokenizers = [tok_cls.from_pretrained(path, subfolder=tok_dir, revision=revision)
+                           for _, _, tok_dir, tok_cls in self.text_encoder_specs]
+        self.text_encoders = [enc_cls.from_pretrained(path, subfolder=enc_dir, revision=revision,
+                                                      dtype=self.weight_dtype)
+                              for enc_dir, enc_cls, _, _ in self.text_encoder_specs]
+        for encoder in self.text_encoders:
+            encoder.requires_grad_(False).eval().to(self.device)
+        self.quantize_text_encoders()
 
     def quantize_text_encoders(self) -> None:
         """Apply ``text_encoder_<n>_precision`` to the loaded text encoders (frozen, so any quanto type works)."""
@@ -138,21 +181,55 @@ class ModelAdapter(metaclass=_AdapterMeta):
         self.text_encoders = []
         self.tokenizers = []
 
+    def text_encoder_components(self) -> dict[str, Any]:
+        """The loaded text encoders and tokenizers by pipeline component name (loading them on first use)."""
+        if not self.text_encoders:
+            self.load_text_encoders()
+        out = {}
+        for (enc_dir, _, tok_dir, _), encoder, tokenizer in zip(self.text_encoder_specs, self.text_encoders,
+                                                                self.tokenizers):
+            out[enc_dir], out[tok_dir] = encoder, tokenizer
+        return out
+
     # ---- encoding --------------------------------------------------------------------------------------
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
         """Each prompt's encoder outputs exactly as the family's pipeline computes them (loading the text encoders
-        on first use), one ``TextEmbedding`` per prompt, float32 on the CPU."""
+        on first use, counting ``text_encoder_forwards``), one ``TextEmbedding`` per prompt, float32 on the CPU."""
 
-    @abstractmethod
+    @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels in [-1, 1], (B, 3, H, W) -> normalised latents (B, C, h, w) as the transformer trains on (loading
-        the VAE on first use), float32 on the CPU."""
+        """pixels in [-1, 1], (B, 3, H, W) -> normalised latents (B, C, h, w) as the denoiser trains on (the VAE
+        loaded on first use): the posterior mean, ``(z - shift_factor) * scaling_factor``, float32 on the CPU."""
+        if self.vae is None:
+            self.load_vae()
+        cfg = self.vae.config
+        latents = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mean
+        self.vae_forwards += 1
+        return ((latents - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor).float().cpu()
 
-    @abstractmethod
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``encode_images``: latents -> pixels in about [-1, 1]."""
+        if self.vae is None:
+            self.load_vae()
+        cfg = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor + (getattr(cfg, "shift_factor", None)
+                                                                                 or 0.0)
+        return self.vae.decode(latents).sample
+
     def text_cache_identity(self) -> str:
         """A string that changes whenever a prompt would encode differently (encoders, tokenizers, lengths,
-        precisions): part of every text-cache key."""
+        precisions, dtype): part of every text-cache key."""
+        folders = [spec[0] for spec in self.text_encoder_specs] + [spec[2] for spec in self.text_encoder_specs]
+        precisions = [getattr(self.config, f"text_encoder_{n}_precision", None) or "no_change"
+                      for n in range(1, len(self.text_encoder_specs) + 1)]
+        parts = [self.component_identity(f) for f in folders] + self.text_identity_extras()
+        return "|".join(parts + [f"precision={precisions}", str(self.weight_dtype)])
+
+    def text_identity_extras(self) -> list[str]:
+        """Family settings that change an embedding besides the weights (e.g. a sequence length)."""
+        return []
 
     def vae_cache_identity(self) -> str:
         """Like ``text_cache_identity`` for latents."""
@@ -176,8 +253,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
     @abstractmethod
     def predict(self, transformer, noisy_latents: torch.Tensor, t: torch.Tensor,
                 text: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The transformer's prediction in the latent layout of ``noisy_latents`` (B, C, h, w), for timesteps ``t``
-        in the objective's units and a batch of cached text embeddings, exactly as the pipeline calls it."""
+        """The denoiser's prediction in the latent layout of ``noisy_latents`` (B, C, h, w), for timesteps ``t`` in
+        the objective's units and a batch of cached text embeddings: exactly what the pipeline hands its
+        scheduler's ``step`` for the same inputs (with classifier-free guidance off)."""
 
     @abstractmethod
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
@@ -188,29 +266,44 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
         """PEFT target module names for the family's ``lora_target`` preset (declared in the family table)."""
 
-    @abstractmethod
     def transformer_depth(self) -> int:
         """How many blocks a TREAD route can index (read from config, without loading weights)."""
+        raise ValueError(f"tread_config: model_family {self.family!r} does not support TREAD routing")
 
     @abstractmethod
     def tread_layout(self, transformer) -> TreadLayout | None:
-        """Where TREAD hooks in this family's blocks, or None when its token path does not allow routing."""
+        """Where TREAD hooks in this family's blocks (and then ``transformer_depth`` counts them), or None when its
+        token path does not allow routing (say why in the family's docstring)."""
 
     def save_lora(self, lora_state_dict: dict[str, torch.Tensor], output_dir: str | Path) -> Path:
-        """Write a LoRA the family's diffusers pipeline loads with ``load_lora_weights`` as is."""
+        """Write a LoRA the family's diffusers pipeline loads with ``load_lora`` (its ``load_lora_weights``)."""
         self.pipeline_class.save_lora_weights(
-            str(output_dir), transformer_lora_layers=lora_state_dict, safe_serialization=True
+            str(output_dir), **{self.lora_layers_argument: lora_state_dict}, safe_serialization=True
         )
         return Path(output_dir) / "pytorch_lora_weights.safetensors"
 
-    # ---- pipelines ---------------------------------------------------------------------------------------
-    @abstractmethod
-    def build_pipeline(self, transformer):
-        """The family's whole diffusers pipeline around ``transformer`` (text encoders and VAE loaded)."""
+    def load_lora(self, pipeline, path: str | Path) -> None:
+        """Load a LoRA written by ``save_lora`` into ``pipeline`` the way its users do."""
+        pipeline.load_lora_weights(str(path))
 
-    @abstractmethod
+    # ---- pipelines ---------------------------------------------------------------------------------------
+    def _pipeline(self, transformer, text_components: dict[str, Any]):
+        if self.vae is None:
+            self.load_vae()
+        return self.pipeline_class.from_pretrained(
+            self.model_path(), revision=self.config.revision,
+            **{self.denoiser_subfolder: transformer, "vae": self.vae}, **text_components,
+        )
+
+    def build_pipeline(self, transformer):
+        """The family's whole diffusers pipeline around ``transformer`` (no copy of its weights), with the text
+        encoders and VAE this adapter loaded; other components (the scheduler) come from the model folder."""
+        return self._pipeline(transformer, self.text_encoder_components())
+
     def build_validation_pipeline(self, transformer):
         """The pipeline around the training transformer that takes cached prompt embeddings (no text encoders)."""
+        names = [spec[0] for spec in self.text_encoder_specs] + [spec[2] for spec in self.text_encoder_specs]
+        return self._pipeline(transformer, dict.fromkeys(names))
 
     @abstractmethod
     def validation_pipeline_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,
@@ -220,14 +313,15 @@ class ModelAdapter(metaclass=_AdapterMeta):
         distinguishes the two. Non-tensor arguments (lengths, guidance) must also be right for a call with
         ``prompt=`` instead of the embeddings."""
 
-    @abstractmethod
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents in the training layout (B, C, h, w) -> the pipeline's ``latents=`` argument."""
+        """Latents in the training layout (B, C, h, w) -> the pipeline's ``latents=`` argument (and the layout of
+        what it hands its scheduler)."""
+        return latents
 
-    @abstractmethod
     def preview_decoder_source(self) -> tuple[str, str | None] | None:
         """(path or hub id, subfolder) of the Tiny AutoEncoder that decodes live previews, or None if the family
-        has none (previews are then refused when validation starts)."""
+        has none (``validation_preview`` is then refused before training starts)."""
+        return None
 
     def load_preview_decoder(self):
         from diffusers import AutoencoderTiny
@@ -239,7 +333,8 @@ class ModelAdapter(metaclass=_AdapterMeta):
         decoder = AutoencoderTiny.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
         return decoder.requires_grad_(False).eval().to(self.device)
 
-    @abstractmethod
     def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """The pipeline's latents mid-denoise -> (B, C, h, w) in the VAE's raw latent space (what the preview
         decoder decodes)."""
+        cfg = self.vae.config
+        return latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)

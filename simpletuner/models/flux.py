@@ -21,6 +21,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from simpletuner.models import tiny
 from simpletuner.models.base import ModelAdapter, TextEmbedding
@@ -41,54 +42,16 @@ _SINGLE_MLP = ["proj_mlp", "proj_out"]
 class FluxAdapter(ModelAdapter):
     family = "flux"
     pipeline_class = FluxPipeline
+    denoiser_class = FluxTransformer2DModel
+    text_encoder_specs = (
+        ("text_encoder", CLIPTextModel, "tokenizer", CLIPTokenizer),
+        ("text_encoder_2", T5EncoderModel, "tokenizer_2", T5TokenizerFast),
+    )
     resolution_multiple = 16  # VAE /8, then 2x2 packing
 
-    # ---- weights --------------------------------------------------------------------------------------
     @staticmethod
     def write_tiny_checkpoint(folder: Path) -> None:
         write_tiny_flux(folder)
-
-    def _transformer_source(self) -> tuple[str, str | None]:
-        path = self.config.pretrained_transformer_model_name_or_path
-        if path:
-            return path, self.config.pretrained_transformer_subfolder
-        return self.model_path(), self.config.pretrained_transformer_subfolder or "transformer"
-
-    def load_transformer(self) -> FluxTransformer2DModel:
-        path, subfolder = self._transformer_source()
-        if str(path).endswith((".safetensors", ".sft")):
-            return FluxTransformer2DModel.from_single_file(path, torch_dtype=self.weight_dtype)
-        return FluxTransformer2DModel.from_pretrained(
-            path,
-            subfolder=subfolder if subfolder not in ("", "none", None) else None,
-            torch_dtype=self.weight_dtype,
-            revision=self.config.revision,
-            variant=self.config.variant,
-        )
-
-    def load_vae(self) -> AutoencoderKL:
-        path = self.config.pretrained_vae_model_name_or_path or self.model_path()
-        subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
-        self.vae = AutoencoderKL.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
-        self.vae.requires_grad_(False).eval().to(self.device)
-        return self.vae
-
-    def load_text_encoders(self) -> None:
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-        path = self.model_path()
-        revision = self.config.revision
-        self.tokenizers = [
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", revision=revision),
-            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2", revision=revision),
-        ]
-        self.text_encoders = [
-            CLIPTextModel.from_pretrained(path, subfolder="text_encoder", revision=revision, dtype=self.weight_dtype),
-            T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", revision=revision, dtype=self.weight_dtype),
-        ]
-        for encoder in self.text_encoders:
-            encoder.requires_grad_(False).eval().to(self.device)
-        self.quantize_text_encoders()
 
     @property
     def t5_max_length(self) -> int:
@@ -96,19 +59,11 @@ class FluxAdapter(ModelAdapter):
         return int(configured or DEFAULT_T5_LENGTH.get(self.config.model_flavour or "", 512))
 
     # ---- encoding --------------------------------------------------------------------------------------
-    def _prompt_pipeline(self) -> FluxPipeline:
-        # a pipeline shell holding only the text encoders, so prompts are encoded by diffusers' own code
-        return FluxPipeline(
-            scheduler=None, vae=None, transformer=None,
-            text_encoder=self.text_encoders[0], tokenizer=self.tokenizers[0],
-            text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1],
-        )
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
-        if not self.text_encoders:
-            self.load_text_encoders()
-        prompt_embeds, pooled, _ = self._prompt_pipeline().encode_prompt(
+        # a pipeline shell holding only the text encoders, so prompts are encoded by diffusers' own code
+        shell = FluxPipeline(scheduler=None, vae=None, transformer=None, **self.text_encoder_components())
+        prompt_embeds, pooled, _ = shell.encode_prompt(
             prompt=list(prompts), prompt_2=None, device=self.device, max_sequence_length=self.t5_max_length
         )
         self.text_encoder_forwards += 1
@@ -117,26 +72,8 @@ class FluxAdapter(ModelAdapter):
             for i in range(len(prompts))
         ]
 
-    def text_cache_identity(self) -> str:
-        parts = [self.component_identity(c) for c in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")]
-        # quantized encoders give (slightly) different embeddings, so their precision is part of the identity
-        precisions = [getattr(self.config, f"text_encoder_{n}_precision", None) or "no_change" for n in (1, 2)]
-        return "|".join(parts + [f"t5_len={self.t5_max_length}", f"precision={precisions}", str(self.weight_dtype)])
-
-    @torch.no_grad()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        if self.vae is None:
-            self.load_vae()
-        cfg = self.vae.config
-        latents = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mean
-        self.vae_forwards += 1
-        return ((latents - cfg.shift_factor) * cfg.scaling_factor).float().cpu()
-
-    @torch.no_grad()
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        cfg = self.vae.config
-        latents = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor + cfg.shift_factor
-        return self.vae.decode(latents).sample
+    def text_identity_extras(self) -> list[str]:
+        return [f"t5_len={self.t5_max_length}"]
 
     # ---- training ----------------------------------------------------------------------------------------
     @staticmethod
@@ -203,38 +140,17 @@ class FluxAdapter(ModelAdapter):
 
     def transformer_depth(self) -> int:
         """Double + single blocks, read from config.json (or a single file's tensor names) without loading weights."""
-        path, subfolder = self._transformer_source()
+        path, subfolder = self.denoiser_source()
         if str(path).endswith((".safetensors", ".sft")):
             return _single_file_depth(path)
-        cfg = FluxTransformer2DModel.load_config(path, subfolder=subfolder or None, revision=self.config.revision)
+        cfg = FluxTransformer2DModel.load_config(path, subfolder=subfolder if subfolder != "none" else None,
+                                                 revision=self.config.revision)
         return int(cfg["num_layers"]) + int(cfg["num_single_layers"])
 
     def tread_layout(self, transformer) -> TreadLayout:
         return TreadLayout(blocks=list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks))
 
-    # ---- pipelines ---------------------------------------------------------------------------------------
-    def build_pipeline(self, transformer, **kwargs) -> FluxPipeline:
-        """A FluxPipeline around the training transformer (no copy of its weights)."""
-        if self.vae is None:
-            self.load_vae()
-        if not self.text_encoders:
-            self.load_text_encoders()
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path(), subfolder="scheduler")
-        return FluxPipeline(
-            scheduler=scheduler, vae=self.vae, transformer=transformer,
-            text_encoder=self.text_encoders[0], tokenizer=self.tokenizers[0],
-            text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1],
-        )
-
     # ---- validation ----------------------------------------------------------------------------------------
-    def build_validation_pipeline(self, transformer) -> FluxPipeline:
-        """A FluxPipeline around the training transformer that takes cached prompt embeddings (no text encoders)."""
-        if self.vae is None:
-            self.load_vae()
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path(), subfolder="scheduler")
-        return FluxPipeline(scheduler=scheduler, vae=self.vae, transformer=transformer, text_encoder=None,
-                            tokenizer=None, text_encoder_2=None, tokenizer_2=None)
-
     def validation_pipeline_kwargs(self, text, negative=None, *, guidance: float, guidance_real: float) -> dict:
         """FluxPipeline arguments for one image from batched cached embeddings: ``guidance`` is Flux's distilled
         guidance; ``guidance_real`` > 1 with a ``negative`` embedding turns on true classifier-free guidance."""

@@ -310,3 +310,21 @@ def test_keyboard_and_narrow_window(page, server):
         page.wait_for_selector("body[data-ready]")
         assert not sideways_overflow(page), f"{url} scrolls sideways at 420px"
         shot(page, name)
+
+
+def test_family_options_follow_the_family_table(page, server):
+    """The form offers each family's own flavours, LoRA presets and objectives (from /api/system/model-families),
+    not every value any family takes."""
+    families = server.http.get("/api/system/model-families").json()
+    page.goto(f"{server.url}/configs/new")
+    page.wait_for_selector("body[data-ready]")
+
+    def options(key):
+        return [o for o in field(page, f"train_config.{key}").locator("option").all_inner_texts()
+                if not o.startswith(("default", "—"))]
+
+    assert "epsilon" in options("prediction_type")  # no family chosen: everything the schema allows
+    field(page, "train_config.model_family").select_option("flux")
+    assert options("model_flavour") == families["flux"]["flavours"]
+    assert options("lora_target") == families["flux"]["lora_targets"]
+    assert options("prediction_type") == families["flux"]["objectives"] == ["flow_matching"]

@@ -236,11 +236,16 @@ def test_dataset_too_small_for_the_batch_says_how_to_fix_it(tmp_path, sample_dat
     assert "No images detected" in proc.stderr and "repeats" in proc.stderr
 
 
-def test_help_does_not_import_torch():
+def test_help_does_not_import_torch_and_lists_the_families():
+    from simpletuner.config.families import FAMILIES
+
     code = ("import sys; from simpletuner import cli; "
             "sys.argv=['simpletuner','--help']\ntry:\n  cli.main(['--help'])\nexcept SystemExit: pass\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ})
+    proc = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                          env={**os.environ})
+    for name, family in FAMILIES.items():  # the choices come from the family table
+        assert f"  {name}: {family.default_flavour}, " in proc.stdout
 
 
 @pytest.mark.parametrize("features", [

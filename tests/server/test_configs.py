@@ -112,3 +112,24 @@ def test_prompt_library_must_be_strings(client):
     r = client.post("/api/configs", json={"name": "p", "train_config": train_config(),
                                           "data_backends": data_backends(), "prompt_library": {"cat": ""}})
     assert r.status_code == 422 and r.json()["errors"][0]["path"] == "prompt_library.cat"
+
+
+def test_model_families_come_from_the_family_table(client):
+    from simpletuner.config.families import FAMILIES
+
+    families = client.get("/api/system/model-families").json()
+    assert sorted(families) == sorted(FAMILIES)
+    flux = families["flux"]
+    assert flux["lora_targets"] == list(FAMILIES["flux"].lora_targets) and flux["default_lora_target"] == "all"
+    assert flux["objectives"] == ["flow_matching"] and flux["guidance_embeds"] is True
+    assert flux["default_weights"]["dev"] == "black-forest-labs/FLUX.1-dev" and flux["default_weights"]["tiny"] is None
+
+
+def test_family_options_are_checked_against_the_family(client):
+    body = {"train_config": {"model_family": "flux", "model_flavour": "tiny", "lora_target": "attention"},
+            "data_backends": [{"id": "text", "dataset_type": "text_embeds", "cache_dir": "cache/text"}]}
+    v = client.post("/api/configs/validate", json=body).json()
+    errors = {e["path"]: e["message"] for e in v["errors"]}
+    assert v["valid"] is False
+    assert errors["train_config.lora_target"] == ("'attention' is not a flux LoRA preset; one of all, mmdit, context, "
+                                                  "context+ffs, all+ffs, tiny, nano")

@@ -27,7 +27,14 @@ GROUPS = [
 def train_config_schema() -> dict[str, Any]:
     from simpletuner.config import TrainConfig
 
+    from simpletuner.config.families import all_flavours, all_lora_targets, family_names
+
     schema = TrainConfig.model_json_schema()
+    # the choices come from the family table as it is now (a family added at run time shows up too)
+    props = schema["properties"]
+    props["model_family"]["enum"] = family_names()
+    props["model_flavour"]["enum"] = all_flavours()
+    props["lora_target"]["enum"] = all_lora_targets()
     known = {g for g, _ in GROUPS}
     extra = sorted({p.get("group") for p in schema["properties"].values() if p.get("group") not in known} - {None})
     groups = [{"id": g, "label": label} for g, label in GROUPS] + [{"id": g, "label": g.title()} for g in extra]

@@ -56,18 +56,23 @@ def system(request: Request) -> SystemOut:
 
 
 @router.get("/api/system/model-families", response_model=dict[str, Any], responses=ERRORS,
-            dependencies=[Depends(require_auth)], summary="Model families and flavours the config accepts")
+            dependencies=[Depends(require_auth)], summary="Model families, their flavours and options")
 def model_families() -> dict[str, Any]:
-    try:
-        from simpletuner.config import families
-    except ImportError:
-        return {}
-    table = getattr(families, "FAMILIES", None) or getattr(families, "MODEL_FAMILIES", None) or {}
-    out: dict[str, Any] = {}
-    for name, fam in dict(table).items():
-        out[name] = {
-            "description": getattr(fam, "description", ""),
-            "flavours": list(getattr(fam, "flavours", {}) or {}),
-            "default_flavour": getattr(fam, "default_flavour", None),
+    """The family table as the config checks it: each family's flavours (with default weights), LoRA presets,
+    objectives, whether it takes a training guidance value, and its text-encoder count."""
+    from simpletuner.config.families import FAMILIES
+
+    return {
+        name: {
+            "description": fam.description,
+            "flavours": list(fam.flavours),
+            "default_weights": dict(fam.flavours),
+            "default_flavour": fam.default_flavour,
+            "lora_targets": list(fam.lora_targets),
+            "default_lora_target": fam.default_lora_target,
+            "objectives": list(fam.objectives),
+            "guidance_embeds": fam.guidance_embeds,
+            "num_text_encoders": fam.num_text_encoders,
         }
-    return out
+        for name, fam in sorted(FAMILIES.items())
+    }

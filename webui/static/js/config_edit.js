@@ -2,7 +2,7 @@
 // browser, the hardware choice, a raw JSON view, and server validation errors shown at their inputs.
 
 import { ApiError, api, el, gpuPreference, processesFor, toast } from "./api.js";
-import { clearErrors, field, inputOf, showErrors } from "./form.js";
+import { clearErrors, describe, field, inputOf, showErrors } from "./form.js";
 import { gpuChooser } from "./hardware.js";
 
 const OPEN_GROUPS = new Set(["model", "training", "lora", "validation"]);
@@ -23,8 +23,31 @@ const state = {
   schema: null,
   backendSchemas: null,
   system: null,
+  families: {}, // /api/system/model-families: each family's flavours, LoRA presets and objectives
   rawDirty: false,
 };
+
+// Keys whose choices depend on the model family (the family table says which values each family takes).
+const FAMILY_CHOICES = { model_flavour: "flavours", lora_target: "lora_targets", prediction_type: "objectives" };
+
+function familyChoices(key) {
+  const family = state.families[state.train.model_family];
+  return family && FAMILY_CHOICES[key] ? family[FAMILY_CHOICES[key]] : null;
+}
+
+/** After model_family changes: offer the new family's flavours / presets / objectives, dropping values it lacks. */
+function refreshFamilyChoices() {
+  for (const key of Object.keys(FAMILY_CHOICES)) {
+    const select = document.querySelector(`#schema-sections select[name="${key}"]`);
+    if (!select) continue;
+    const prop = state.schema.schema.properties[key];
+    const choices = familyChoices(key) || describe(prop, state.schema.schema.$defs || {}).enum || [];
+    if (state.train[key] !== undefined && !choices.includes(state.train[key])) delete state.train[key];
+    const first = select.options[0];
+    select.replaceChildren(first, ...choices.map((c) => el("option", { value: String(c) }, String(c))));
+    select.value = state.train[key] === undefined ? "" : String(state.train[key]);
+  }
+}
 
 // ---- model <-> JSON ------------------------------------------------------------------------------------
 function canon(key) {
@@ -74,8 +97,12 @@ function renderSchemaSections() {
     for (const [key, prop] of entries) {
       grid.append(field(key, prop, defs, `train_config.${key}`,
         () => state.train[key],
-        (v) => { if (v === undefined) delete state.train[key]; else state.train[key] = v; changed(); },
-        { browse }));
+        (v) => {
+          if (v === undefined) delete state.train[key]; else state.train[key] = v;
+          if (key === "model_family") refreshFamilyChoices();
+          changed();
+        },
+        { browse, choices: familyChoices }));
     }
     const details = el("details", { class: "section", id: `sec-${group.id}`, open: OPEN_GROUPS.has(group.id), "data-group": group.id },
       el("summary", {}, group.label, el("span", { class: "badge-err", hidden: true })),
@@ -426,8 +453,10 @@ document.getElementById("download-backends").addEventListener("click", () => dow
 // ---- start -------------------------------------------------------------------------------------------
 async function start() {
   try {
-    const [schema, backendSchemas, system] = await Promise.all([
-      api("/api/schema/train-config"), api("/api/schema/data-backends"), api("/api/system")]);
+    const [schema, backendSchemas, system, families] = await Promise.all([
+      api("/api/schema/train-config"), api("/api/schema/data-backends"), api("/api/system"),
+      api("/api/system/model-families")]);
+    state.families = families;
     state.schema = schema;
     state.backendSchemas = backendSchemas;
     state.system = system;

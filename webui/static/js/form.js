@@ -122,7 +122,8 @@ export function field(key, prop, defs, path, get, set, options = {}) {
     input = el("select", { id, name: key, "aria-describedby": described });
     const def = d.default === undefined || d.default === null ? "" : String(d.default);
     input.append(el("option", { value: "" }, d.default === undefined ? "— choose —" : `default${def ? ` (${def})` : ""}`));
-    for (const option of d.enum) input.append(el("option", { value: String(option) }, String(option)));
+    const choices = (options.choices && options.choices(key)) || d.enum;
+    for (const option of choices) input.append(el("option", { value: String(option) }, String(option)));
     input.value = value === undefined || value === null ? "" : String(value);
     input.addEventListener("change", () => set(input.value === "" ? undefined : input.value));
   } else if (d.kind === "const") {

@@ -1,0 +1,240 @@
+"""The battery every model family passes, in the spirit of diffusers' ``ModelTesterMixin``.
+
+A test class inherits ``FamilyContract`` and provides a ``family`` fixture (a name in the family table);
+``test_contract.py`` runs it over the whole table, so adding a family to the table adds it here. Each check runs
+the family's own tiny checkpoint through the family's own diffusers pipeline:
+
+- the tiny flavour is in the diffusers layout, deterministic, and loads with the pipeline's ``from_pretrained``;
+- the adapter's prediction equals what the pipeline hands its scheduler, from cached embeddings and from a prompt;
+- every LoRA preset targets real modules; a 3-step LoRA run through the real trainer saves a LoRA that the pipeline
+  loads as its users load it and that reproduces the trained model's prediction;
+- cache identities change when an encoder changes, and only then;
+- a declared TREAD layout routes a subset of the image tokens and restores the full sequence;
+- the eval loss is the objective's and is the same every time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from simpletuner.config import get_family, load_data_backends, load_train_config
+from simpletuner.models.base import TextEmbedding
+from simpletuner.models.registry import get_adapter_class
+from tests.conftest import REPO
+
+PROMPT = "a red circle on a blue background"
+
+
+def family_config(family: str, **overrides):
+    values = {"model_family": family, "model_flavour": "tiny", "mixed_precision": "no", "seed": 0,
+              "max_train_steps": 3, "data_backend_config": "unused.json", "lora_dropout": 0.0}
+    values.update(overrides)
+    return load_train_config(values).config
+
+
+def _capture_scheduler_input(pipe):
+    """Record the model output the pipeline hands its scheduler's first ``step``."""
+    captured = []
+    step = pipe.scheduler.step
+
+    def recording_step(model_output, *args, **kwargs):
+        if not captured:
+            captured.append(model_output.detach().clone())
+        return step(model_output, *args, **kwargs)
+
+    pipe.scheduler.step = recording_step
+    return captured
+
+
+def _size(adapter) -> int:
+    return 4 * adapter.resolution_multiple
+
+
+class FamilyContract:
+    # ---- fixtures (class-scoped: one adapter and transformer per family) ------------------------------------
+    @pytest.fixture(scope="class")
+    def adapter(self, family, tiny_dir):
+        adapter = get_adapter_class(family)(family_config(family))
+        adapter.load_vae()
+        adapter.load_text_encoders()
+        return adapter
+
+    @pytest.fixture(scope="class")
+    def transformer(self, adapter):
+        return adapter.load_transformer().eval().requires_grad_(False)
+
+    @pytest.fixture(scope="class")
+    def text(self, adapter):
+        return TextEmbedding.collate(adapter.encode_prompts([PROMPT]))
+
+    @pytest.fixture(scope="class")
+    def latents(self, adapter):
+        size = _size(adapter)
+        shape = adapter.encode_images(torch.zeros(1, 3, size, size)).shape  # the family's latent layout
+        return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+    # ---- the checks ---------------------------------------------------------------------------------------
+    def test_tiny_checkpoint_is_the_diffusers_layout(self, adapter, tmp_path):
+        path = adapter.ensure_tiny_checkpoint()
+        index = json.loads((path / "model_index.json").read_text())
+        assert index["_class_name"] == adapter.pipeline_class.__name__
+        for component, spec in index.items():
+            if not component.startswith("_") and isinstance(spec, list) and spec[0] is not None:
+                assert (path / component).is_dir(), component
+        assert (path / adapter.denoiser_subfolder).is_dir() and (path / "scheduler").is_dir()
+        pipe = adapter.pipeline_class.from_pretrained(path)  # diffusers' own loader reads it as a whole
+        assert getattr(pipe, adapter.denoiser_subfolder) is not None
+        # deterministic: writing it again gives the same weights
+        type(adapter).write_tiny_checkpoint(tmp_path / "again")
+        from safetensors.torch import load_file
+
+        for sub in (adapter.denoiser_subfolder, "vae"):
+            for file in sorted((path / sub).glob("*.safetensors")):
+                a, b = load_file(file), load_file(tmp_path / "again" / sub / file.name)
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+
+    def test_family_row_matches_the_adapter(self, family, adapter):
+        row = get_family(family)
+        assert type(adapter).family == family
+        assert len(adapter.text_encoder_specs) == row.num_text_encoders
+        assert adapter.config.prediction_type == row.default_objective == adapter.objective.name
+
+    @pytest.mark.parametrize("mode", ["embeddings", "prompt"])
+    def test_prediction_matches_the_pipeline(self, adapter, transformer, text, latents, mode):
+        """What the adapter predicts for (noisy latents, t, text) is exactly what the family's pipeline computes
+        for the same latents at its first step, whether it gets cached embeddings or encodes the prompt itself."""
+        pipe = adapter.build_pipeline(transformer)
+        pipe.set_progress_bar_config(disable=True)
+        captured = _capture_scheduler_input(pipe)
+        kwargs = adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0)
+        if mode == "prompt":
+            kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+            kwargs["prompt"] = PROMPT
+        size = _size(adapter)
+        with torch.no_grad():
+            pipe(height=size, width=size, num_inference_steps=2, latents=adapter.pipeline_latents(latents),
+                 output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs)
+            t = adapter.objective.pipeline_timestep(pipe.scheduler, 0)
+            ours = adapter.pipeline_latents(adapter.predict(transformer, latents, t, text))
+        theirs = captured[0]
+        assert ours.shape == theirs.shape
+        assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
+
+    def test_every_lora_preset_targets_real_modules(self, family, adapter, transformer):
+        from peft import LoraConfig, inject_adapter_in_model
+
+        for preset in get_family(family).lora_targets:
+            model = adapter.load_transformer()
+            inject_adapter_in_model(LoraConfig(r=2, target_modules=adapter.lora_target_modules(model, preset)),
+                                    model)
+            assert any(n.endswith("lora_A") for n, _ in model.named_modules()), preset
+
+    def test_a_lora_run_exports_what_the_pipeline_loads(self, family, adapter, text, latents, tmp_path):
+        from safetensors.torch import load_file
+
+        from simpletuner.training.lora import add_lora, load_lora_state
+        from simpletuner.training.trainer import train
+
+        dataset = tmp_path / "data"
+        shutil.copytree(REPO / "datasets" / "sample", dataset)
+        backends = [{"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
+                     "resolution": _size(adapter), "resolution_type": "pixel",
+                     "cache_dir_vae": str(tmp_path / "cache/vae")},
+                    {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        config = family_config(family, output_dir=str(tmp_path / "out"), learning_rate=1e-2, lora_rank=4,
+                               train_batch_size=2, checkpointing_steps=3,
+                               data_backend_config=str(tmp_path / "backends.json"))
+        result = train(config, load_data_backends(backends, config=config))
+        assert result.global_step == 3 and all(torch.isfinite(torch.tensor(result.losses)))
+
+        # the trained model, rebuilt from its checkpoint
+        trained = adapter.load_transformer()
+        add_lora(trained, adapter, config)
+        load_lora_state(trained, load_file(tmp_path / "out/checkpoint-3/trainable.safetensors"), "checkpoint-3")
+        # the LoRA file, loaded into a fresh pipeline the way its users load it
+        pipe = adapter.pipeline_class.from_pretrained(adapter.ensure_tiny_checkpoint())
+        adapter.load_lora(pipe, result.lora_path)
+        loaded = getattr(pipe, adapter.denoiser_subfolder)
+        base = adapter.load_transformer()
+        t = adapter.objective.eval_timesteps()[4:5]
+        with torch.no_grad():
+            preds = [adapter.predict(m.eval(), latents, t, text) for m in (trained, loaded, base)]
+        assert (preds[0] - preds[1]).abs().max().item() < 1e-5
+        assert (preds[0] - preds[2]).abs().max().item() > 1e-4  # and the LoRA did change the model
+
+    def test_cache_identity_follows_the_encoders(self, family, adapter, tmp_path):
+        copy = tmp_path / "model"
+        shutil.copytree(adapter.ensure_tiny_checkpoint(), copy)
+
+        real_flavour = next(f for f in get_family(family).flavours if f != "tiny")
+
+        def identities():  # the copy as a family's real flavour would load it, from a local folder
+            a = get_adapter_class(family)(family_config(family, model_flavour=real_flavour,
+                                                        pretrained_model_name_or_path=str(copy)))
+            return a.text_cache_identity(), a.vae_cache_identity()
+
+        text0, vae0 = identities()
+        assert identities() == (text0, vae0)
+        for enc_dir, _, tok_dir, _ in adapter.text_encoder_specs:
+            for folder in (enc_dir, tok_dir):
+                cfg = next(f for f in (copy / folder / "config.json", copy / folder / "tokenizer_config.json")
+                           if f.is_file())
+                original = cfg.read_text()
+                cfg.write_text(json.dumps({**json.loads(original), "_changed": True}))
+                assert identities() == (identities()[0], vae0) and identities()[0] != text0, folder
+                cfg.write_text(original)
+        cfg = copy / "vae" / "config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "_changed": True}))
+        assert identities() == (text0, identities()[1]) and identities()[1] != vae0
+
+    def test_tread_layout_routes_and_restores(self, adapter, transformer, text, latents):
+        from simpletuner.training.tread import apply_tread
+
+        layout = adapter.tread_layout(transformer)
+        if layout is None:  # the family says its token path does not allow routing
+            with pytest.raises(ValueError, match="tread_config"):
+                adapter.transformer_depth()
+            return
+        depth = adapter.transformer_depth()
+        assert depth == len(layout.blocks) >= 3
+        t = adapter.objective.eval_timesteps()[4:5]
+        with torch.no_grad():
+            plain = adapter.predict(transformer, latents, t, text)
+        handle = apply_tread(transformer, [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}],
+                             layout, generator=torch.Generator().manual_seed(0))
+        seen = []  # image tokens reaching a routed block, after TREAD's own hook (registered first) ran
+
+        def count(module, args, kwargs):
+            image = kwargs[layout.image_arg] if layout.image_arg in kwargs else args[layout.image_pos]
+            seen.append(image.shape[1])
+
+        probe = layout.blocks[1].register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            transformer.train()
+            with torch.enable_grad():
+                routed = adapter.predict(transformer, latents, t, text)
+            full_tokens = adapter.image_seq_len(latents.shape)
+            assert seen and seen[-1] < full_tokens  # the route's blocks saw a subset of the image tokens ...
+            assert routed.shape == plain.shape  # ... and the full sequence came back out
+            transformer.eval()
+            with torch.no_grad():  # no routing outside training
+                assert torch.equal(adapter.predict(transformer, latents, t, text), plain)
+        finally:
+            handle.remove()
+            probe.remove()
+            transformer.eval()
+        with torch.no_grad():
+            assert torch.equal(adapter.predict(transformer, latents, t, text), plain)
+
+    def test_eval_loss_is_the_objectives_and_repeatable(self, family, adapter, transformer, text, latents):
+        from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
+
+        assert adapter.objective.name in get_family(family).objectives
+        item = EvalItem("sample-key", latents[0], {k: v[0] for k, v in text.items()})
+        first = evaluation_loss(adapter, transformer, [item])
+        assert first == evaluation_loss(adapter, transformer, [item])
+        assert len(first) == len(adapter.objective.eval_timesteps()) + 1 and all(v > 0 for v in first.values())
