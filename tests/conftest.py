@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,26 @@ from tests.helpers import flux_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+_OWN_TINY_DIR: list[str] = []
+
+
+def pytest_configure(config):
+    """Tiny checkpoints are written once per session into one folder, set in the environment before any test module
+    is imported, so every subprocess (even one whose env a module built at import) shares it."""
+    if not os.environ.get("SIMPLETUNER_TEST_TINY_DIR"):
+        _OWN_TINY_DIR.append(tempfile.mkdtemp(prefix="simpletuner-tiny-"))
+    os.environ["SIMPLETUNER_TINY_DIR"] = os.environ.get("SIMPLETUNER_TEST_TINY_DIR") or _OWN_TINY_DIR[0]
+
+
+def pytest_unconfigure(config):
+    for folder in _OWN_TINY_DIR:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def tiny_dir(tmp_path_factory):
-    """Tiny checkpoints are written once per session here (and inherited by subprocesses)."""
-    folder = os.environ.get("SIMPLETUNER_TEST_TINY_DIR") or str(tmp_path_factory.mktemp("tiny"))
-    os.environ["SIMPLETUNER_TINY_DIR"] = folder
-    yield Path(folder)
+def tiny_dir():
+    """The session's tiny-checkpoint folder (see pytest_configure)."""
+    return Path(os.environ["SIMPLETUNER_TINY_DIR"])
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from simpletuner.config import CURRENT_CONFIG_VERSION
 from tests.server.helpers import data_backends, train_config
 
 
@@ -16,7 +17,7 @@ def test_create_get_list_versions(client):
     r = _create(client, description="tiny flux", comment="first")
     assert r.status_code == 201, r.text
     assert r.json()["current_version"] == 1
-    assert r.json()["latest"]["schema_version"] == 1
+    assert r.json()["latest"]["schema_version"] == CURRENT_CONFIG_VERSION
     r = client.put("/api/configs/tiny", json={"train_config": train_config(max_train_steps=7),
                                               "data_backends": data_backends(), "comment": "more steps"})
     assert r.status_code == 200 and r.json()["current_version"] == 2

@@ -1,0 +1,137 @@
+"""Every family's quickstart example (``config/examples/<family>/``) trained by ``simpletuner train`` on its tiny
+flavour in a real subprocess: the loss on a fixed batch of the training images falls, a run resumed from its
+checkpoint continues bit for bit, and the exported LoRA changes what the family's pipeline generates.
+
+The examples are meant for real weights on a GPU; the only overrides are the ones the tiny flavour on a CPU needs:
+``model_flavour=tiny``, fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from simpletuner.config import family_names
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+STEPS, RESUME_AT = 6, 3
+
+
+def simpletuner_train(config: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    proc = subprocess.run([sys.executable, "-m", "simpletuner.cli", "train", "--config", str(config), *sets],
+                          capture_output=True, text=True, cwd=cwd, timeout=900,
+                          # one intra-op thread: float reductions run in one order, so runs compare bit for bit
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def logged_losses(output: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, (output / "training_log.jsonl").read_text().splitlines())}
+
+
+def example_in(work: Path, family: str, resolution: int) -> Path:
+    """A copy of the example, as a user would run it from a checkout (relative paths), at ``resolution``."""
+    example = REPO / "config" / "examples" / family
+    assert (example / "config.json").is_file() and (example / "multidatabackend.json").is_file(), \
+        f"config/examples/{family}/ needs config.json and multidatabackend.json"
+    shutil.copytree(REPO / "datasets" / "sample", work / "datasets" / "sample")
+    target = work / "config" / "examples" / family
+    shutil.copytree(example, target)
+    backends = json.loads((target / "multidatabackend.json").read_text())
+    for entry in backends:
+        if entry.get("dataset_type", "image") in ("image", "eval"):
+            entry.update(resolution=resolution, resolution_type="pixel", repeats=0)
+    (target / "multidatabackend.json").write_text(json.dumps(backends, indent=2))
+    return target / "config.json"
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monkeypatch):
+    from simpletuner.config import load_train_config
+    from simpletuner.models.base import TextEmbedding
+    from simpletuner.models.registry import get_adapter_class
+
+    adapter_cls = get_adapter_class(family)
+    size = 4 * adapter_cls.resolution_multiple
+    config = example_in(tmp_path, family, size)
+    common = ["model_flavour=tiny", "mixed_precision=no", "lr_warmup_steps=0", "learning_rate=5e-3",
+              f"max_train_steps={STEPS}", f"checkpointing_steps={RESUME_AT}", "checkpoints_total_limit=",
+              "resume_from_checkpoint=", f"validation_resolution={size}", "validation_num_inference_steps=2",
+              "lora_dropout=0", "seed=7"]
+    out = tmp_path / "output" / family
+    first = simpletuner_train(config, tmp_path, *common, f"output_dir={out}")
+    assert "Training" in first.stderr
+    full = logged_losses(out)
+    assert sorted(full) == list(range(1, STEPS + 1))
+
+    # resume: training again from checkpoint-3 continues exactly as the first run went on (in this process, on
+    # one thread like the subprocess, to keep the suite fast; tests/e2e/test_train_cli.py resumes through the CLI)
+    from simpletuner.config import load_data_backends
+    from simpletuner.training.trainer import train
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / f"checkpoint-{RESUME_AT}", resumed / f"checkpoint-{RESUME_AT}")
+    monkeypatch.chdir(tmp_path)  # the example's paths are relative to where it runs
+    overrides = dict(item.split("=", 1) for item in common)
+    overrides.update(output_dir=str(resumed), resume_from_checkpoint="latest")
+    cfg = load_train_config(config, overrides=overrides).config
+    backends = load_data_backends(cfg.data_backend_config, config=cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = train(cfg, backends)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.losses == [full[s] for s in range(RESUME_AT + 1, STEPS + 1)]
+    assert result.latents_encoded == 0 and result.captions_encoded == 0  # the caches were warm
+
+    # the exported LoRA, loaded into the family's pipeline as users load it
+    adapter = adapter_cls(cfg)
+    pipe = adapter.pipeline_class.from_pretrained(adapter.ensure_tiny_checkpoint())
+    pipe.set_progress_bar_config(disable=True)
+    denoiser = getattr(pipe, adapter.denoiser_subfolder).eval()
+
+    # a fixed batch of the training images, fixed noise, fixed timesteps
+    from simpletuner.data.discovery import discover, load_pixels
+
+    samples = discover(backends.datasets[0], cfg, adapter.resolution_multiple).samples
+    by_size: dict = {}
+    for s in samples:
+        by_size.setdefault(s.target_size, []).append(s)
+    batch = max(by_size.values(), key=len)[:4]
+
+    latents = adapter.encode_images(torch.stack([load_pixels(s) for s in batch]))
+    text = TextEmbedding.collate(adapter.encode_prompts([s.caption for s in batch]))
+    objective = adapter.objective
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    levels = objective.eval_timesteps()
+    t = levels[torch.linspace(1, len(levels) - 2, len(batch)).round().long()]
+
+    def fixed_batch_loss() -> float:
+        with torch.no_grad():
+            pred = adapter.predict(denoiser, objective.add_noise(latents, noise, t), t, text)
+        return objective.loss(pred, objective.target(latents, noise, t), t).item()
+
+    def generate():
+        kwargs = adapter.validation_pipeline_kwargs({k: v[:1] for k, v in text.items()}, None, guidance=1.0,
+                                                    guidance_real=1.0)
+        image = pipe(height=size, width=size, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                     output_type="np", **kwargs).images
+        return torch.as_tensor(image)
+
+    before, image_before = fixed_batch_loss(), generate()
+    adapter.load_lora(pipe, out)
+    after, image_after = fixed_batch_loss(), generate()
+    assert after < before, (before, after)
+    assert (image_after - image_before).abs().max().item() > 1e-3
