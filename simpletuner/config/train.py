@@ -31,7 +31,17 @@ from .families import (
 )
 from .versions import CURRENT_CONFIG_VERSION
 
-GROUPS = ("model", "training", "lora", "memory", "tread", "validation", "logging", "data")
+# The field groups, in the order the web UI shows them, with their labels (every field names its group).
+GROUPS: dict[str, str] = {
+    "model": "Model",
+    "training": "Training",
+    "lora": "LoRA",
+    "memory": "Memory (quantization, offload)",
+    "tread": "TREAD",
+    "validation": "Validation",
+    "logging": "Logging",
+    "data": "Data",
+}
 
 Precision = Literal["no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"]
 

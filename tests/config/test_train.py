@@ -15,7 +15,8 @@ from simpletuner.config import (
     resolve_tread_routes,
 )
 from simpletuner.config.errors import loc_to_path
-from simpletuner.config.train import GROUPS, check_train_paths
+from simpletuner.config.families import FAMILIES
+from simpletuner.config.train import check_train_paths
 
 
 def load(**values) -> TrainConfig:
@@ -319,14 +320,26 @@ def test_validation_resolutions():
 # --- schema for the UI ----------------------------------------------------------------------------------------
 
 
-def test_every_field_has_a_description_and_a_group():
-    properties = TrainConfig.model_json_schema()["properties"]
+def test_every_field_has_a_description_and_a_group_the_form_shows():
+    """The web UI builds one form section per group the schema route returns; a field whose group it does not
+    return would never be shown."""
+    from simpletuner.server.routes.schema import train_config_schema
+
+    served = train_config_schema()
+    shown = [g["id"] for g in served["groups"]]
+    assert shown[:3] == ["model", "training", "lora"] and len(set(shown)) == len(shown)
+    properties = served["schema"]["properties"]
     assert set(properties) == set(TrainConfig.model_fields)
     for name, prop in properties.items():
         assert prop.get("description"), name
-        assert prop.get("group") in GROUPS, name
-    assert properties["model_family"]["enum"] == ["flux"]
+        assert prop.get("group") in shown, name
+    assert properties["model_family"]["enum"] == sorted(FAMILIES)
     assert properties["config_version"]["readOnly"] is True
+    # a field put in a group the form does not know is refused when the schema is defined
+    from simpletuner.config.train import _field
+
+    with pytest.raises(AssertionError):
+        _field(None, "not-a-group", "x")
 
 
 # --- families and errors --------------------------------------------------------------------------------------

@@ -17,12 +17,21 @@ def _images(n, seed=0):
     return [Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)) for _ in range(n)]
 
 
-def test_tiny_clip_is_a_standard_checkpoint(tiny_dir):
+def test_tiny_clip_is_a_standard_checkpoint(tiny_dir, tmp_path):
     from transformers import CLIPModel, CLIPProcessor
+
+    from simpletuner.evaluation.clip_score import write_tiny_clip
 
     folder = ensure_tiny_clip()
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-    assert isinstance(CLIPModel.from_pretrained(folder), CLIPModel)
+    model = CLIPModel.from_pretrained(folder)
+    # what write_tiny_clip promises survives the save/load round trip: the shared projection offset ...
+    assert torch.equal(model.visual_projection.weight, model.text_projection.weight)
+    assert torch.all(model.text_model.final_layer_norm.bias == 1.0)
+    # ... and the checkpoint is deterministic (a second write loads to the same weights)
+    write_tiny_clip(tmp_path / "again")
+    again = CLIPModel.from_pretrained(tmp_path / "again").state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in model.state_dict().items())
     assert CLIPProcessor.from_pretrained(folder).tokenizer("a red square")["input_ids"]
     assert ensure_tiny_clip() == folder  # written once
 

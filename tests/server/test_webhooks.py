@@ -17,14 +17,19 @@ pytestmark = pytest.mark.timeout(60)
 class Receiver:
     """A tiny HTTP server recording requests; ``fail_first`` answers 500 that many times first."""
 
-    def __init__(self, fail_first: int = 0, status: int = 200, delay: float = 0.0):
+    def __init__(self, fail_first: int = 0, status: int = 200, delay: float = 0.0,
+                 hold: threading.Event | None = None):
         self.requests: list[dict] = []
         self.fail_first = fail_first
+        self.arrived = threading.Event()  # set when a request has come in (before any hold)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.arrived.set()
+                if hold is not None:
+                    hold.wait(30)
                 if delay:
                     time.sleep(delay)
                 if outer.fail_first > 0:
@@ -114,16 +119,21 @@ def test_4xx_is_not_retried(receiver):
 
 
 def test_sending_never_blocks_the_training_loop(receiver):
-    rx = receiver(delay=0.2)  # a slow server
+    release = threading.Event()
+    rx = receiver(hold=release)  # a server that answers nothing until released
     r = WebhookReporter(rx.url, "s", 1, max_queue=50)
-    t0 = time.perf_counter()
+    r.status("running")
+    assert rx.arrived.wait(30)  # the sender thread is now stuck on that request
     for step in range(500):
         r.progress(step, 500, 0.1, 1e-4, 1.0, 0.0)
     r.status("succeeded")  # important events are never dropped
-    assert time.perf_counter() - t0 < 1.0
+    # every call above returned while the server still held the first request: none waited on the network
+    assert not release.is_set() and rx.requests == []
     assert r.dropped > 0 and len(r._queue) <= 51
-    assert any(e["type"] == "status" for e in r._queue)
-    r.close(0.1)
+    assert any(e["type"] == "status" and e["data"]["status"] == "succeeded" for e in r._queue)
+    release.set()
+    assert r.close(30)
+    assert [e["data"]["status"] for e in rx.json() if e["type"] == "status"] == ["running", "succeeded"]
 
 
 def test_unreachable_server_gives_up_without_raising():
