@@ -227,10 +227,30 @@ class Evaluator:
                                      captions={f"validation/{im.name}": im.prompt for im in images})
         return self.clip_scores(images) if self.clip and images else {}
 
+    def validation_conditioning(self) -> dict[str, torch.Tensor]:
+        """What an image-to-video flavour animates in validation: the conditioning cached beside the first clip of
+        the first training dataset (its first frame, condition latents, image embedding)."""
+        if getattr(self, "_conditioning", None) is None:
+            backend = self.backends.image_datasets[0]
+            ds = discover(backend, self.config, self.adapter.resolution_multiple,
+                          temporal_compression=self.adapter.temporal_compression)
+            cache = TensorCache(backend.cache_dir_vae)
+            keys = [latent_key(s, self._identity()[0]) for s in ds.samples]
+            key = next((k for k in keys if cache.has(k)), None)
+            if key is None:
+                raise DatasetError(f"datasets[{backend.id}]: no cached clip to take the validation's first frame from")
+            self._conditioning = {k: v for k, v in cache.load(key).items() if k != "latents"}
+        return self._conditioning
+
+    def _validation_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
+        text = self.prompt_embedding(prompt)
+        return {**text, **self.validation_conditioning()} if getattr(self.adapter, "is_i2v", False) else text
+
     def runner(self) -> ValidationRunner:
         if self._runner is None:
             decoder = self.adapter.load_preview_decoder() if self.config.validation_preview else None
-            self._runner = ValidationRunner(self.config, self.adapter, self.prompt_embedding, preview_decoder=decoder,
+            self._runner = ValidationRunner(self.config, self.adapter, self._validation_embedding,
+                                            preview_decoder=decoder,
                                             on_preview=self._send_preview, on_image=self._send_image,
                                             autocast=self.accelerator.autocast)
         return self._runner
