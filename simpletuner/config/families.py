@@ -118,7 +118,25 @@ WAN = ModelFamily(
     modality="video",
 )
 
-_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX, WAN.name: WAN}
+LTXVIDEO = ModelFamily(
+    name="ltxvideo",
+    description="Lightricks LTX-Video 0.9.x (2B video DiT, flow matching, 32x/8x VAE, T5-XXL text)",
+    adapter="simpletuner.models.ltxvideo:LTXVideoAdapter",
+    flavours=MappingProxyType(
+        {
+            "0.9.5": "Lightricks/LTX-Video-0.9.5",
+            "0.9.1": "Lightricks/LTX-Video-0.9.1",
+            "0.9.0": "Lightricks/LTX-Video",
+            "tiny": None,
+        }
+    ),
+    default_flavour="0.9.5",
+    lora_targets=("all", "all+ffs"),
+    default_lora_target="all",
+    modality="video",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX, WAN.name: WAN, LTXVIDEO.name: LTXVIDEO}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -130,7 +148,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "sd1x",
     "sd2x",
     "kolors",
-    "ltxvideo",
     "hidream",
     "chroma",
     "lumina2",
