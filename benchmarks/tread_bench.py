@@ -2,11 +2,12 @@
 TREAD routing. Prints a markdown table of median step times and speedups measured in this one run.
 
     .venv/bin/python benchmarks/tread_bench.py            # 2048 image tokens, routes over layers 2..-2
-    .venv/bin/python benchmarks/tread_bench.py --model wan   # a Wan video latent: 4 x 32 x 32 = 4096 video tokens
+    .venv/bin/python benchmarks/tread_bench.py --model wan   # a Wan video latent: 4 x 32 x 64 = 8192 video tokens
     .venv/bin/python benchmarks/tread_bench.py --help
 
-With ``--model wan`` the model is diffusers' WanTransformer3DModel (12 blocks, hidden 128) on a (16, 4, 64, 64) video
-latent (2x2 patches: 4096 tokens, 3-D RoPE sliced per sample by simpletuner.models.wan's layout) and 64 text tokens.
+With ``--model wan`` the model is diffusers' WanTransformer3DModel (12 blocks, hidden 128) on a (16, 4, 64, 128) video
+latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample by simpletuner.models.wan's layout) and 64
+text tokens.
 
 The model is diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers), hidden
 size 128, a 32x64 packed latent (a 64x128 VAE latent, i.e. a 512x1024 image) = 2048 image tokens and 64 text tokens.
