@@ -2,7 +2,12 @@
 TREAD routing. Prints a markdown table of median step times and speedups measured in this one run.
 
     .venv/bin/python benchmarks/tread_bench.py            # 2048 image tokens, routes over layers 2..-2
+    .venv/bin/python benchmarks/tread_bench.py --model wan   # a Wan video latent: 4 x 32 x 64 = 8192 video tokens
     .venv/bin/python benchmarks/tread_bench.py --help
+
+With ``--model wan`` the model is diffusers' WanTransformer3DModel (12 blocks, hidden 128) on a (16, 4, 64, 128) video
+latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample by simpletuner.models.wan's layout) and 64
+text tokens.
 
 The model is diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers), hidden
 size 128, a 32x64 packed latent (a 64x128 VAE latent, i.e. a 512x1024 image) = 2048 image tokens and 64 text tokens.
@@ -61,6 +66,37 @@ def inputs(args):
     )
 
 
+def build_wan(args):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=args.heads, attention_head_dim=args.head_dim, in_channels=16,
+        out_channels=16, text_dim=64, freq_dim=64, ffn_dim=4 * args.heads * args.head_dim,
+        num_layers=args.double + args.single, rope_max_seq_len=64)
+    model.requires_grad_(False)
+    model = inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+                                    model)
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def wan_inputs(args):
+    g = torch.Generator().manual_seed(1)
+    return dict(
+        hidden_states=torch.randn(args.batch, 16, args.frames, 2 * args.latent_h, 2 * args.latent_w, generator=g),
+        encoder_hidden_states=torch.randn(args.batch, args.text_tokens, 64, generator=g),
+        timestep=torch.rand(args.batch, generator=g) * 1000,
+    )
+
+
+def wan_layout(model):
+    from simpletuner.models.wan import WanAdapter
+
+    return WanAdapter.tread_layout(None, model)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latent-h", type=int, default=32, help="packed latent height (tokens)")
@@ -78,14 +114,20 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings steady on a shared machine)")
     parser.add_argument("--checkpointing", action="store_true", help="enable gradient checkpointing")
+    parser.add_argument("--model", choices=["flux", "wan"], default="flux",
+                        help="flux: a Flux-shaped MMDiT; wan: a Wan video DiT (--frames latent frames)")
+    parser.add_argument("--frames", type=int, default=4, help="latent frames (--model wan)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = build(args)
-    batch = inputs(args)
+    if args.model == "wan":
+        model, batch = build_wan(args), wan_inputs(args)
+        layout = wan_layout(model)
+    else:
+        model, batch = build(args), inputs(args)
+        layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
     target = torch.randn_like(batch["hidden_states"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
     handle = apply_tread(model, [{"selection_ratio": args.ratios[0], "start_layer_idx": args.start,
                                   "end_layer_idx": args.end}], layout, generator=torch.Generator().manual_seed(0))
     route = handle.routes[0]
@@ -99,10 +141,13 @@ def main():
 
     times = round_robin(run, configs, args.steps)
 
-    n_img = args.latent_h * args.latent_w
+    n_img = args.latent_h * args.latent_w * (args.frames if args.model == "wan" else 1)
     n_layers = args.double + args.single
-    print(f"Flux-shaped LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
-          f"{n_layers} layers ({args.double} double + {args.single} single), hidden {args.heads * args.head_dim}, "
+    shape = (f"Wan-shaped LoRA training step, {n_img} video tokens ({args.frames} latent frames) + {args.text_tokens} "
+             f"text tokens, batch {args.batch}, {n_layers} blocks" if args.model == "wan" else
+             f"Flux-shaped LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
+             f"{n_layers} layers ({args.double} double + {args.single} single)")
+    print(f"{shape}, hidden {args.heads * args.head_dim}, "
           f"route layers {route.start_layer_idx}..{route.end_layer_idx}"
           f"{', gradient checkpointing' if args.checkpointing else ''}; "
           f"median of {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -21,7 +21,7 @@ from .errors import ConfigError, FieldError, errors_from_validation
 from .train import TrainConfig
 
 _NOT_YET = {
-    "dataset_type": {"video", "conditioning", "image_embeds", "conditioning_image_embeds", "audio"},
+    "dataset_type": {"conditioning", "image_embeds", "conditioning_image_embeds", "audio"},
     "type": {"aws", "csv", "huggingface", "parquet"},
     "caption_strategy": {"parquet", "jsonl", "huggingface", "csv"},
 }
@@ -56,13 +56,58 @@ def _field(default: Any, description: str, **kwargs: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"group": "data"}, **kwargs)
 
 
+CLIP_MODES = ("single_beginning", "single_middle", "multiple_overlapping")
+
+
+class VideoOptions(StrictModel):
+    """SimpleTuner's ``video`` block of a dataset, plus diffusion-pipe's clip modes.
+
+    A clip is ``num_frames`` frames (rounded down to a count the family's VAE takes, e.g. 4k+1 for Wan), sampled at
+    ``frame_rate`` (the file's own rate when empty). A video with fewer usable frames than ``num_frames`` trains on
+    the frames it has (its own frame bucket) unless that is fewer than ``min_frames``; one with more than
+    ``max_frames`` is skipped.
+    """
+
+    num_frames: Optional[Int] = Field(None, ge=1, description="frames per training clip; empty = 5 s at frame_rate")
+    min_frames: Optional[Int] = Field(None, ge=1, description="skip videos with fewer frames; empty = num_frames")
+    max_frames: Optional[Int] = Field(None, ge=1, description="skip videos with more frames than this")
+    frame_rate: Optional[Number] = Field(None, gt=0, description="sample clips at this many frames per second; "
+                                                                 "empty = the file's own rate")
+    is_i2v: Optional[bool] = Field(None, description="condition on each clip's first frame (image-to-video "
+                                                     "flavours); empty = what the model flavour does")
+    clip_mode: Literal["single_beginning", "single_middle", "multiple_overlapping"] = Field(
+        "single_beginning", description="which clip(s) of a longer video train: its first num_frames, the middle "
+                                        "ones, or as few overlapping clips as cover it all (diffusion-pipe)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _diffusion_pipe_spelling(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "video_clip_mode" in data and "clip_mode" not in data:
+            data = {**data, "clip_mode": data["video_clip_mode"]}
+            data.pop("video_clip_mode")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> VideoOptions:
+        errors = []
+        if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
+            errors.append(FieldError("min_frames", f"is larger than max_frames ({self.max_frames})"))
+        if self.num_frames is not None and self.max_frames is not None and self.num_frames > self.max_frames:
+            errors.append(FieldError("num_frames", f"is larger than max_frames ({self.max_frames})"))
+        if errors:
+            raise ConfigError(errors)
+        return self
+
+
 class DatasetBackend(StrictModel):
-    """A folder of training (``image``) or held-out evaluation (``eval``) images with captions."""
+    """A folder of training (``image`` or ``video``) or held-out evaluation (``eval``) files with captions."""
 
     id: str = _field(..., "unique name of the dataset; also names its caches", min_length=1)
     type: Literal["local"] = _field("local", "storage backend; only 'local' folders are supported")
-    dataset_type: Literal["image", "eval"] = _field("image", "'image' for training data, 'eval' for eval loss")
-    instance_data_dir: str = _field(..., "folder of images (searched recursively)", min_length=1)
+    dataset_type: Literal["image", "video", "eval"] = _field(
+        "image", "'image' or 'video' for training data, 'eval' for eval loss"
+    )
+    instance_data_dir: str = _field(..., "folder of images or videos (searched recursively)", min_length=1)
     resolution: Optional[Number] = _field(
         None, "target size: pixels, or megapixels for resolution_type 'area'; empty = the config's resolution"
     )
@@ -92,6 +137,9 @@ class DatasetBackend(StrictModel):
     cache_dir_vae: Optional[str] = _field(None, "latent cache folder; default cache/vae/<id>")
     disabled: bool = _field(False, "leave this dataset out")
     probability: float = _field(1.0, "relative chance of drawing a batch from this dataset", gt=0)
+    video: Optional[VideoOptions] = _field(
+        None, "video options: {num_frames, min_frames, max_frames, frame_rate, is_i2v, clip_mode}"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DatasetBackend:
@@ -156,8 +204,8 @@ class DataBackends:
 
     @property
     def image_datasets(self) -> list[DatasetBackend]:
-        """Enabled training datasets (``dataset_type`` image)."""
-        return [d for d in self.datasets if d.dataset_type == "image"]
+        """Enabled training datasets (``dataset_type`` image or video)."""
+        return [d for d in self.datasets if d.dataset_type in ("image", "video")]
 
     @property
     def eval_datasets(self) -> list[DatasetBackend]:
@@ -269,8 +317,9 @@ def parse_data_backends(
                     errors.append(FieldError(f"{path}.resolution", f"(from the config) {message}"))
             datasets.append(backend)
 
-    if not any(d.dataset_type == "image" for d in datasets) and "image" not in failed_kinds:
-        errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image'"))
+    if not any(d.dataset_type in ("image", "video") for d in datasets) and not {"image", "video"} & failed_kinds:
+        errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image' "
+                                             "(or 'video')"))
     chosen: TextEmbedsBackend | None = None
     if not text_embeds and "text_embeds" not in failed_kinds:
         errors.append(

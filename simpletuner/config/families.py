@@ -45,6 +45,8 @@ class ModelFamily:
     default_guidance_value: float = 1.0
     # how many text encoders it has (text_encoder_N_precision beyond these is refused)
     num_text_encoders: int = 1
+    # "image" or "video": what its datasets hold and what validation writes (images train as 1-frame videos)
+    modality: str = "image"
 
     def __post_init__(self):
         if self.default_flavour not in self.flavours:
@@ -54,6 +56,8 @@ class ModelFamily:
         unknown = set(self.objectives) - set(OBJECTIVES)
         if not self.objectives or unknown:
             raise ValueError(f"{self.name}: objectives must be some of {', '.join(OBJECTIVES)}")
+        if self.modality not in ("image", "video"):
+            raise ValueError(f"{self.name}: modality must be 'image' or 'video'")
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter must be 'module:Class', got {self.adapter!r}")
 
@@ -88,7 +92,51 @@ FLUX = ModelFamily(
     num_text_encoders=2,
 )
 
-_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
+WAN = ModelFamily(
+    name="wan",
+    description="Wan 2.1 / 2.2 video DiT (T2V 1.3B/14B, I2V 14B, 2.2 A14B two-expert; flow matching, UMT5 text)",
+    adapter="simpletuner.models.wan:WanAdapter",
+    flavours=MappingProxyType(
+        {
+            "t2v-480p-1.3b-2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+            "t2v-480p-14b-2.1": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+            "i2v-14b-2.1": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+            "i2v-14b-2.1-720p": "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+            "t2v-14b-2.2-high": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+            "t2v-14b-2.2-low": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+            "i2v-14b-2.2-high": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+            "i2v-14b-2.2-low": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+            "tiny": None,
+            "tiny-i2v": None,
+            "tiny-2.2-high": None,
+            "tiny-2.2-low": None,
+        }
+    ),
+    default_flavour="t2v-480p-1.3b-2.1",
+    lora_targets=("all", "self-attention", "all+ffs"),
+    default_lora_target="all",
+    modality="video",
+)
+
+LTXVIDEO = ModelFamily(
+    name="ltxvideo",
+    description="Lightricks LTX-Video 0.9.x (2B video DiT, flow matching, 32x/8x VAE, T5-XXL text)",
+    adapter="simpletuner.models.ltxvideo:LTXVideoAdapter",
+    flavours=MappingProxyType(
+        {
+            "0.9.5": "Lightricks/LTX-Video-0.9.5",
+            "0.9.1": "Lightricks/LTX-Video-0.9.1",
+            "0.9.0": "Lightricks/LTX-Video",
+            "tiny": None,
+        }
+    ),
+    default_flavour="0.9.5",
+    lora_targets=("all", "all+ffs"),
+    default_lora_target="all",
+    modality="video",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX, WAN.name: WAN, LTXVIDEO.name: LTXVIDEO}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -96,12 +144,10 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "sd3",
     "auraflow",
     "pixart_sigma",
-    "wan",
     "sdxl",
     "sd1x",
     "sd2x",
     "kolors",
-    "ltxvideo",
     "hidream",
     "chroma",
     "lumina2",
@@ -130,6 +176,11 @@ def registered(family: ModelFamily) -> Iterator[ModelFamily]:
 def family_names() -> list[str]:
     """Names of the families that can be trained now, sorted."""
     return sorted(_FAMILIES)
+
+
+def tiny_flavours(family: ModelFamily) -> list[str]:
+    """The family's locally written flavours: ``tiny``, and ``tiny-<variant>`` where it has several architectures."""
+    return [f for f, weights in family.flavours.items() if weights is None and f.split("-")[0] == "tiny"]
 
 
 def all_flavours() -> list[str]:

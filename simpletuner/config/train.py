@@ -367,6 +367,12 @@ class TrainConfig(StrictModel):
     user_prompt_library: Optional[str] = _field(
         None, "validation", "JSON file of {name: prompt} used as extra validation prompts"
     )
+    validation_num_video_frames: Optional[Int] = _field(
+        None, "validation", "frames per validation video (video families); empty = the family's default", ge=1
+    )
+    framerate: Optional[Number] = _field(
+        None, "validation", "frames per second of validation videos; empty = the family's native rate", gt=0
+    )
     validation_preview: bool = _field(False, "validation", "stream decoded previews while validation images denoise")
     validation_preview_steps: Int = _field(1, "validation", "decode a preview every n denoising steps", ge=1)
     evaluation_type: Literal["none", "clip"] = _field("none", "validation", "score validation images ('clip')")

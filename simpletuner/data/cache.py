@@ -23,6 +23,8 @@ from simpletuner.data.discovery import Sample, load_pixels
 def latent_key(sample: Sample, vae_identity: str) -> str:
     payload = [sample.path, sample.file_size, sample.mtime_ns, sample.target_size, sample.resize_to,
                sample.crop_box, vae_identity]
+    if sample.frame_indices is not None:  # a video family's clip: which frames (image-family keys stay as they were)
+        payload.append(list(sample.frame_indices))
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -61,8 +63,13 @@ class TensorCache:
         _atomic_save(tensors, self.path(key))
 
 
-def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True) -> int:
-    """Encode every sample whose latent is not cached yet; returns how many were encoded."""
+def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True,
+                      unreadable: list[tuple[Sample, str]] | None = None) -> int:
+    """Encode every sample whose latent is not cached yet; returns how many were encoded.
+
+    A file that cannot be decoded is appended to ``unreadable`` as (sample, reason) and left out (with
+    ``unreadable=None`` the error is raised instead). The adapter's ``latent_cache_entries`` gives what is stored
+    per sample (the latents, plus any conditioning the family caches beside them)."""
     identity = adapter.vae_cache_identity()
     todo: list[tuple[TensorCache, Sample, str]] = []
     for folder, samples in samples_by_cache.items():
@@ -75,23 +82,35 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
                 todo.append((cache, s, key))
     if not todo:
         return 0
-    # images of one batch must share a size
-    todo.sort(key=lambda item: item[1].target_size)
+    # samples of one batch must share a bucket (size, and frame count for video)
+    todo.sort(key=lambda item: item[1].bucket)
     bar = tqdm(total=len(todo), desc="Caching VAE latents", disable=not show_progress)
+    encoded = 0
     i = 0
     while i < len(todo):
-        size = todo[i][1].target_size
-        group = []
-        while i < len(todo) and todo[i][1].target_size == size and len(group) < batch_size:
-            group.append(todo[i])
+        bucket = todo[i][1].bucket
+        group, pixels = [], []
+        while i < len(todo) and todo[i][1].bucket == bucket and len(group) < batch_size:
+            item = todo[i]
             i += 1
-        pixels = torch.stack([load_pixels(s) for _, s, _ in group])
-        latents = adapter.encode_images(pixels)
-        for (cache, _, key), latent in zip(group, latents):
-            cache.save(key, {"latents": latent})
+            try:
+                pixels.append(load_pixels(item[1]))
+            except Exception as exc:
+                if unreadable is None:
+                    raise ValueError(f"{item[1].path}: cannot be decoded: {exc}") from exc
+                unreadable.append((item[1], f"cannot be decoded: {exc}"))
+                bar.update(1)
+                continue
+            group.append(item)
+        if not group:
+            continue
+        entries = adapter.latent_cache_entries(torch.stack(pixels))
+        for (cache, _, key), entry in zip(group, entries):
+            cache.save(key, entry)
+        encoded += len(group)
         bar.update(len(group))
     bar.close()
-    return len(todo)
+    return encoded
 
 
 def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True) -> int:

@@ -1,7 +1,8 @@
-"""Find training images, read their captions and decide each one's aspect bucket and crop.
+"""Find training images and videos, read their captions and decide each one's bucket, crop and (videos) clips.
 
 Everything here is deterministic from the file and the dataset settings, so a sample's cache key (see
-``cache.py``) names exactly the pixels that get encoded.
+``cache.py``) names exactly the pixels that get encoded. For a video family (``temporal_compression`` given) every
+sample is a clip of ``frames`` frames, bucketed by (frames, width, height); an image is a 1-frame clip.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ class Sample:
     is_regularisation: bool = False
     file_size: int = 0
     mtime_ns: int = 0
+    # source frame indices of a video family's clip ((0,) for an image); None in an image family
+    frame_indices: tuple[int, ...] | None = None
 
     @property
-    def bucket(self) -> tuple[int, int]:
-        return self.target_size
+    def num_frames(self) -> int | None:
+        return None if self.frame_indices is None else len(self.frame_indices)
+
+    @property
+    def bucket(self) -> tuple[int, ...]:
+        """(width, height) in an image family; (frames, width, height) in a video family."""
+        return self.target_size if self.frame_indices is None else (len(self.frame_indices), *self.target_size)
 
 
 @dataclass
@@ -146,20 +154,41 @@ def read_caption(backend, path: Path) -> str:
     return " ".join(stem.replace("_", " ").split())
 
 
-def discover(backend, defaults, multiple: int) -> DatasetSamples:
-    """All usable images of one dataset backend, sorted by path (order is then shuffled by the sampler)."""
+def discover(backend, defaults, multiple: int, *, temporal_compression: int | None = None) -> DatasetSamples:
+    """All usable images (and, for a video family, videos) of one dataset backend, sorted by path (the sampler
+    shuffles). ``temporal_compression``: the video family's frames per latent frame (clips are ``k * it + 1`` frames
+    long); None for an image family. Unreadable or unusable files are skipped with a warning naming them."""
+    from simpletuner.data.video import VIDEO_EXTENSIONS, plan_clips, probe
+
     root = Path(backend.instance_data_dir).expanduser()
     if not root.is_dir():
         raise DatasetError(f"datasets[{backend.id}].instance_data_dir: folder {root} does not exist")
+    if temporal_compression is None and getattr(backend, "dataset_type", "image") == "video":
+        raise DatasetError(f"datasets[{backend.id}].dataset_type: 'video' needs a video model family "
+                           "(wan, ltxvideo, hunyuanvideo); this one trains on images")
     result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0))
-    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    video = temporal_compression is not None
+    wanted = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in wanted and p.is_file())
     for path in files:
+        is_video = path.suffix.lower() in VIDEO_EXTENSIONS
         try:
-            with Image.open(path) as im:
-                width, height = ImageOps.exif_transpose(im).size
+            if is_video:
+                info = probe(path)
+                width, height = info.width, info.height
+            else:
+                with Image.open(path) as im:
+                    width, height = ImageOps.exif_transpose(im).size
         except Exception as exc:  # a broken file is skipped, not fatal
-            result.skipped.append((str(path), f"unreadable image: {exc}"))
+            result.skipped.append((str(path), f"unreadable {'video' if is_video else 'image'}: {exc}"))
             continue
+        if is_video:
+            clips, reason = plan_clips(info, getattr(backend, "video", None), temporal_compression)
+            if not clips:
+                result.skipped.append((str(path), reason))
+                continue
+        else:
+            clips = [(0,)] if video else [None]
         stat = path.stat()
         seed_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
         plan, reason = plan_image(backend, path, width, height, defaults, multiple, seed_key)
@@ -167,24 +196,42 @@ def discover(backend, defaults, multiple: int) -> DatasetSamples:
             result.skipped.append((str(path), reason))
             continue
         target, resize_to, crop_box = plan
-        result.samples.append(Sample(
-            dataset_id=backend.id, path=str(path.resolve()), caption=read_caption(backend, path),
-            target_size=target, resize_to=resize_to, crop_box=crop_box,
-            is_regularisation=bool(getattr(backend, "is_regularisation_data", False)),
-            file_size=stat.st_size, mtime_ns=stat.st_mtime_ns,
-        ))
+        caption = read_caption(backend, path)
+        for frames in clips:
+            result.samples.append(Sample(
+                dataset_id=backend.id, path=str(path.resolve()), caption=caption,
+                target_size=target, resize_to=resize_to, crop_box=crop_box,
+                is_regularisation=bool(getattr(backend, "is_regularisation_data", False)),
+                file_size=stat.st_size, mtime_ns=stat.st_mtime_ns, frame_indices=frames,
+            ))
     for file, reason in result.skipped:
         log.warning("datasets[%s]: skipping %s: %s", backend.id, file, reason)
     return result
 
 
-def load_pixels(sample: Sample):
-    """The sample's pixels as a float tensor in [-1, 1], (3, H, W)."""
+def _to_tensor(im):
     import numpy as np
     import torch
 
-    with Image.open(sample.path) as im:
-        im = ImageOps.exif_transpose(im).convert("RGB")
-        im = im.resize(sample.resize_to, Image.Resampling.LANCZOS).crop(sample.crop_box)
     arr = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1)
     return arr / 127.5 - 1.0
+
+
+def load_pixels(sample: Sample):
+    """The sample's pixels as a float tensor in [-1, 1]: (3, H, W) for an image family's image, (3, F, H, W) for a
+    video family's clip (F = 1 for an image). Raises (naming nothing; the caller names the file) if it cannot be
+    decoded."""
+    import torch
+
+    from simpletuner.data.video import VIDEO_EXTENSIONS, decode_frames
+
+    if Path(sample.path).suffix.lower() in VIDEO_EXTENSIONS:
+        frames = decode_frames(sample.path, sample.frame_indices)
+    else:
+        with Image.open(sample.path) as im:
+            frames = [ImageOps.exif_transpose(im).convert("RGB")]
+    tensors = [_to_tensor(f.convert("RGB").resize(sample.resize_to, Image.Resampling.LANCZOS).crop(sample.crop_box))
+               for f in frames]
+    if sample.frame_indices is None:
+        return tensors[0]
+    return torch.stack(tensors, dim=1)

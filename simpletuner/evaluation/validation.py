@@ -7,7 +7,10 @@ one without.
 
 Images are written to ``<output_dir>/validation/step_<N>/<nickname>_<W>x<H>.png``; previews (the Tiny
 AutoEncoder's decode of the latents every ``validation_preview_steps`` denoising steps) to
-``.../step_<N>/previews/<nickname>_<W>x<H>_<inference step>.png``.
+``.../step_<N>/previews/<nickname>_<W>x<H>_<inference step>.png``. A video family writes
+``<nickname>_<W>x<H>.mp4`` (H.264, ``framerate`` fps) and its first frame as the ``.png`` poster; its previews
+decode the first latent frame (the poster frame) with the family's own VAE, since diffusers has no tiny video
+autoencoder.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ class ValidationImage:
     nickname: str
     prompt: str
     resolution: tuple[int, int]  # (width, height)
-    path: Path
-    image: object  # PIL image
+    path: Path  # the image, or a video's poster frame
+    image: object  # PIL image (a video's first frame)
+    video_path: Path | None = None  # the mp4 of a video family
+    num_frames: int | None = None
 
     @property
     def name(self) -> str:
@@ -120,7 +125,8 @@ class ValidationRunner:
         self.negative_prompt = config.validation_negative_prompt or ""
 
     def negative_needed(self) -> bool:
-        return self.config.validation_guidance_real > 1
+        return self.adapter.needs_negative_prompt(self.config.validation_guidance,
+                                                  self.config.validation_guidance_real)
 
     def run(self, transformer, prompts: list[ValidationPrompt], resolutions: list[tuple[int, int]],
             step: int) -> list[ValidationImage]:
@@ -134,10 +140,17 @@ class ValidationRunner:
             for item in prompts:
                 text = self._embeddings(item.prompt, transformer)
                 for width, height in resolutions:
-                    image = self._generate(pipeline, item, text, negative, width, height, step, folder)
+                    frames = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
-                    image.save(path)
-                    result = ValidationImage(item.nickname, item.prompt, (width, height), path, image)
+                    frames[0].save(path)
+                    video_path = None
+                    if self.adapter.is_video:
+                        from simpletuner.evaluation.video import write_mp4
+
+                        video_path = path.with_suffix(".mp4")
+                        write_mp4(video_path, frames, self.adapter.validation_fps())
+                    result = ValidationImage(item.nickname, item.prompt, (width, height), path, frames[0],
+                                             video_path, len(frames) if video_path else None)
                     results.append(result)
                     if self.on_image is not None:
                         self.on_image(result, step)
@@ -158,10 +171,20 @@ class ValidationRunner:
             kwargs["callback_on_step_end"] = self._preview_callback(item, width, height, step, folder, every)
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         generator = torch.Generator("cpu").manual_seed(self.seed)
+        size = self.adapter.pipeline_call_kwargs(height=height, width=width)
+        if self.adapter.is_video:
+            kwargs.update(self.adapter.validation_conditioning(text, height, width))
+            with self.autocast():
+                out = pipeline(**size, num_inference_steps=self.config.validation_num_inference_steps,
+                               generator=generator, output_type="np", **kwargs)
+            video = np.asarray(out.frames[0])  # (frames, H, W, 3) in [0, 1]
+            from PIL import Image
+
+            return [Image.fromarray((frame.clip(0, 1) * 255).round().astype(np.uint8)) for frame in video]
         with self.autocast():
-            out = pipeline(height=height, width=width, num_inference_steps=self.config.validation_num_inference_steps,
+            out = pipeline(**size, num_inference_steps=self.config.validation_num_inference_steps,
                            generator=generator, output_type="pil", **kwargs)
-        return out.images[0]
+        return [out.images[0]]
 
     def _preview_callback(self, item: ValidationPrompt, width: int, height: int, step: int, folder: Path, every: int):
         previews = folder / "previews"
@@ -172,6 +195,8 @@ class ValidationRunner:
                 latents = self.adapter.preview_latents(callback_kwargs["latents"], height, width)
                 decoder = self.preview_decoder
                 pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
+                if pixels.ndim == 4:  # a video VAE's (3, frames, H, W): the poster frame
+                    pixels = pixels[:, 0]
                 previews.mkdir(parents=True, exist_ok=True)
                 path = previews / f"{item.nickname}_{width}x{height}_{done}.png"
                 to_pil(pixels).save(path)

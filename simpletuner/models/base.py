@@ -76,6 +76,13 @@ class ModelAdapter(metaclass=_AdapterMeta):
     lora_layers_argument: str = "transformer_lora_layers"
     #: pixel multiple a training image must have (VAE downscale x transformer patch size)
     resolution_multiple: int = 16
+    #: video families: pixel frames per latent frame (a clip is ``k * temporal_compression + 1`` frames); None for
+    #: image families. Latents are then (B, C, F, h, w) and pixels (B, 3, frames, H, W); images are 1-frame clips.
+    temporal_compression: int | None = None
+    #: video families: frames per second the model was trained at (validation videos' rate unless ``framerate``)
+    default_fps: float = 16.0
+    #: video families: frames of a validation video unless ``validation_num_video_frames`` says otherwise
+    default_validation_frames: int = 9
 
     def __init__(self, config, *, device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32):
         self.config = config
@@ -91,15 +98,28 @@ class ModelAdapter(metaclass=_AdapterMeta):
     # ---- where the weights live -------------------------------------------------------------------------
     def model_path(self) -> str:
         """The folder or hub id holding the pipeline layout (model_index.json, transformer/, vae/, ...)."""
-        if self.config.model_flavour == "tiny":
+        if self.is_tiny:
             return str(self.ensure_tiny_checkpoint())
         if self.config.pretrained_model_name_or_path:
             return self.config.pretrained_model_name_or_path
         raise ValueError("pretrained_model_name_or_path: not set and the flavour gives no default")
 
+    @property
+    def is_tiny(self) -> bool:
+        """A ``tiny`` flavour (``tiny``, or ``tiny-<variant>`` where a family has several architectures)."""
+        return (self.config.model_flavour or "").split("-")[0] == "tiny"
+
     def ensure_tiny_checkpoint(self) -> Path:
-        """The ``tiny`` flavour's folder, written (once, atomically) by ``write_tiny_checkpoint``."""
-        return tiny.ensure_checkpoint(self.family, type(self).write_tiny_checkpoint)
+        """The tiny flavour's folder, written (once, atomically) by ``write_tiny``."""
+        return tiny.ensure_checkpoint(self.tiny_checkpoint_name(), self.write_tiny)
+
+    def tiny_checkpoint_name(self) -> str:
+        """The tiny checkpoint's folder name (a family with several tiny flavours names one per architecture)."""
+        return self.family
+
+    def write_tiny(self, folder: Path) -> None:
+        """Write this flavour's tiny checkpoint (``write_tiny_checkpoint`` unless the family has several)."""
+        type(self).write_tiny_checkpoint(folder)
 
     @staticmethod
     @abstractmethod
@@ -191,16 +211,36 @@ class ModelAdapter(metaclass=_AdapterMeta):
             out[enc_dir], out[tok_dir] = encoder, tokenizer
         return out
 
+    @property
+    def is_video(self) -> bool:
+        return self.temporal_compression is not None
+
+    def validation_num_frames(self) -> int:
+        """Frames of a validation video (``validation_num_video_frames``, rounded down to a count the VAE takes)."""
+        frames = getattr(self.config, "validation_num_video_frames", None) or self.default_validation_frames
+        tc = self.temporal_compression or 1
+        return max(1, (int(frames) - 1) // tc * tc + 1)
+
+    def validation_fps(self) -> float:
+        return float(getattr(self.config, "framerate", None) or self.default_fps)
+
     # ---- encoding --------------------------------------------------------------------------------------
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
         """Each prompt's encoder outputs exactly as the family's pipeline computes them (loading the text encoders
         on first use, counting ``text_encoder_forwards``), one ``TextEmbedding`` per prompt, float32 on the CPU."""
 
+    def latent_cache_entries(self, pixels: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """What the latent cache stores per sample for a batch of pixels: ``{"latents": ...}``, plus whatever a
+        family conditions on that comes from the same pixels (Wan I2V: the first frame's latents and CLIP image
+        embedding). Every key but ``latents`` reaches ``predict`` inside its ``text`` dict."""
+        return [{"latents": latent} for latent in self.encode_images(pixels)]
+
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], (B, 3, H, W) -> normalised latents (B, C, h, w) as the denoiser trains on (the VAE
-        loaded on first use): the posterior mean, ``(z - shift_factor) * scaling_factor``, float32 on the CPU."""
+        loaded on first use): the posterior mean, ``(z - shift_factor) * scaling_factor``, float32 on the CPU.
+        Video families take (B, 3, frames, H, W) and return (B, C, F, h, w)."""
         if self.vae is None:
             self.load_vae()
         cfg = self.vae.config
@@ -226,6 +266,11 @@ class ModelAdapter(metaclass=_AdapterMeta):
                       for n in range(1, len(self.text_encoder_specs) + 1)]
         parts = [self.component_identity(f) for f in folders] + self.text_identity_extras()
         return "|".join(parts + [f"precision={precisions}", str(self.weight_dtype)])
+
+    def needs_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+        """Whether validation needs the negative prompt's embedding: true CFG (``guidance_real`` > 1) by default; a
+        family whose ``guidance`` is itself classifier-free guidance (Wan) needs it for ``guidance`` > 1 too."""
+        return guidance_real > 1
 
     def text_identity_extras(self) -> list[str]:
         """Family settings that change an embedding besides the weights (e.g. a sequence length)."""
@@ -253,9 +298,10 @@ class ModelAdapter(metaclass=_AdapterMeta):
     @abstractmethod
     def predict(self, transformer, noisy_latents: torch.Tensor, t: torch.Tensor,
                 text: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The denoiser's prediction in the latent layout of ``noisy_latents`` (B, C, h, w), for timesteps ``t`` in
-        the objective's units and a batch of cached text embeddings: exactly what the pipeline hands its
-        scheduler's ``step`` for the same inputs (with classifier-free guidance off)."""
+        """The denoiser's prediction in the latent layout of ``noisy_latents`` ((B, C, h, w), or (B, C, F, h, w) for
+        video), for timesteps ``t`` in the objective's units and a batch of cached conditioning (text embeddings,
+        plus the extra keys of ``latent_cache_entries``): exactly what the pipeline hands its scheduler's ``step``
+        for the same inputs (with classifier-free guidance off)."""
 
     @abstractmethod
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
@@ -314,9 +360,20 @@ class ModelAdapter(metaclass=_AdapterMeta):
         ``prompt=`` instead of the embeddings."""
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents in the training layout (B, C, h, w) -> the pipeline's ``latents=`` argument (and the layout of
-        what it hands its scheduler)."""
+        """Latents in the training layout ((B, C, h, w) or (B, C, F, h, w)) -> the pipeline's ``latents=`` argument
+        (and the layout of what it hands its scheduler)."""
         return latents
+
+    def pipeline_call_kwargs(self, *, height: int, width: int, num_frames: int | None = None) -> dict:
+        """Size arguments of one pipeline call: ``height``/``width``, and ``num_frames`` for a video family."""
+        kwargs = {"height": height, "width": width}
+        if self.is_video:
+            kwargs["num_frames"] = num_frames or self.validation_num_frames()
+        return kwargs
+
+    def validation_conditioning(self, text: dict[str, torch.Tensor], height: int, width: int) -> dict:
+        """Extra pipeline arguments a validation call needs besides the prompt (Wan I2V: the first frame)."""
+        return {}
 
     def preview_decoder_source(self) -> tuple[str, str | None] | None:
         """(path or hub id, subfolder) of the Tiny AutoEncoder that decodes live previews, or None if the family
@@ -327,6 +384,8 @@ class ModelAdapter(metaclass=_AdapterMeta):
         from diffusers import AutoencoderTiny
 
         source = self.preview_decoder_source()
+        if source is None and self.is_video:  # no tiny video autoencoder in diffusers: the VAE decodes the poster frame
+            return self.vae if self.vae is not None else self.load_vae()
         if source is None:
             raise ValueError(f"validation_preview: model_family {self.family!r} has no tiny autoencoder for previews")
         path, subfolder = source

@@ -62,6 +62,10 @@ class Objective(ABC):
         """``t`` of a diffusers pipeline's denoising step ``index`` (after ``set_timesteps``), in this objective's
         units: what the trainer would pass for the same noise level."""
 
+    def covers(self, t: torch.Tensor) -> bool:
+        """Whether this run trains at level ``t`` (a two-expert model's expert covers part of the schedule)."""
+        return True
+
     def loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The training loss of a batch: the mean squared error in float32."""
         return F.mse_loss(pred.float(), target.float())

@@ -74,6 +74,32 @@ def _save_image(job: JobRow, event: WebhookEvent, data: dict, data_dir: Path) ->
     data["image_url"] = f"/api/jobs/{job.id}/files/events/{name}"
 
 
+def _is_mp4(raw: bytes) -> bool:
+    return len(raw) > 12 and raw[4:8] == b"ftyp"  # ISO base media: a size, then the 'ftyp' box
+
+
+def _save_video(job: JobRow, event: WebhookEvent, data: dict, data_dir: Path) -> None:
+    """A validation video (``video_base64``, an mp4) is stored beside its poster image."""
+    encoded = data.pop("video_base64", None)
+    if not encoded:
+        return
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        data["video_error"] = "video_base64 is not valid base64"
+        return
+    if not _is_mp4(raw):
+        data["video_error"] = "not an MP4 video"
+        return
+    run_dir = Path(job.run_dir) if job.run_dir else data_dir / "runs" / f"job-{job.id}"
+    folder = run_dir / "events"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"a{job.attempt}-s{event.seq}-video.mp4"
+    (folder / name).write_bytes(raw)
+    data["video_file"] = f"events/{name}"
+    data["video_url"] = f"/api/jobs/{job.id}/files/events/{name}"
+
+
 def _fold(job: JobRow, event: WebhookEvent, data: dict) -> None:
     """Keep the job record's summary (progress, results, error) current."""
     results = dict(job.results or {})
@@ -88,6 +114,8 @@ def _fold(job: JobRow, event: WebhookEvent, data: dict) -> None:
         results[key] = int(results.get(key, 0)) + 1
         if data.get("image_url"):
             results[f"last_{key[:-1]}"] = data["image_url"]
+        if data.get("video_url"):
+            results["last_validation_video"] = data["video_url"]
     elif kind == "scores":
         metrics = data.get("metrics") or {}
         if isinstance(metrics, dict):
@@ -144,6 +172,7 @@ def _store(db: Database, job_id: int, secret: str, event: WebhookEvent, data: di
             return False, existing
         if event.type == "image":
             _save_image(job, event, data, data_dir)
+            _save_video(job, event, data, data_dir)
         _fold(job, event, data)
         row = JobEventRow(job_id=job_id, attempt=job.attempt, source="trainer", seq=event.seq,
                           type=event.type, time=event.time, data=data)

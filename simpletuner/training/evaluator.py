@@ -75,7 +75,8 @@ class Evaluator:
         # ---- eval loss ----
         self.eval_datasets = []
         for backend in backends.eval_datasets:
-            ds = discover(backend, config, adapter.resolution_multiple)
+            ds = discover(backend, config, adapter.resolution_multiple,
+                          temporal_compression=adapter.temporal_compression)
             if not ds.samples:
                 raise DatasetError(f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
                                    f"(dataset_type eval, {len(ds.skipped)} skipped)")
@@ -102,7 +103,8 @@ class Evaluator:
     def captions(self) -> list[str]:
         """Every text the evaluator needs embedded: validation prompts, the negative prompt, eval captions."""
         texts = [p.prompt for p in self.prompts] if self.validating else []
-        if self.validating and self.config.validation_guidance_real > 1:
+        if self.validating and self.adapter.needs_negative_prompt(self.config.validation_guidance,
+                                                                  self.config.validation_guidance_real):
             texts.append(self.config.validation_negative_prompt or "")
         if self.evaluating:
             texts += [s.caption for _, ds in self.eval_datasets for s in ds.samples]
@@ -148,7 +150,9 @@ class Evaluator:
                 cache = TensorCache(backend.cache_dir_vae)
                 for s in ds.samples:
                     key = latent_key(s, vae_identity)
-                    items.append(EvalItem(key, cache.load(key)["latents"], self.prompt_embedding(s.caption)))
+                    entry = cache.load(key)
+                    extras = {k: v for k, v in entry.items() if k != "latents"}  # e.g. Wan I2V's first frame
+                    items.append(EvalItem(key, entry["latents"], {**self.prompt_embedding(s.caption), **extras}))
             self._eval_items = items
         return self._eval_items
 
@@ -216,23 +220,44 @@ class Evaluator:
     def validate(self, step: int, model) -> dict[str, float]:
         """Generate, save and send the validation images of ``step``; returns their CLIP scores (if on)."""
         images = self.runner().run(model, self.prompts, self.resolutions, step)
-        log.info("validation: %d image(s) in %s", len(images), images[0].path.parent if images else "-")
+        kind = "video(s)" if self.adapter.is_video else "image(s)"
+        log.info("validation: %d %s in %s", len(images), kind, images[0].path.parent if images else "-")
         if self.trackers is not None:
             self.trackers.log_images({f"validation/{im.name}": im.image for im in images}, step,
                                      captions={f"validation/{im.name}": im.prompt for im in images})
         return self.clip_scores(images) if self.clip and images else {}
 
+    def validation_conditioning(self) -> dict[str, torch.Tensor]:
+        """What an image-to-video flavour animates in validation: the conditioning cached beside the first clip of
+        the first training dataset (its first frame, condition latents, image embedding)."""
+        if getattr(self, "_conditioning", None) is None:
+            backend = self.backends.image_datasets[0]
+            ds = discover(backend, self.config, self.adapter.resolution_multiple,
+                          temporal_compression=self.adapter.temporal_compression)
+            cache = TensorCache(backend.cache_dir_vae)
+            keys = [latent_key(s, self._identity()[0]) for s in ds.samples]
+            key = next((k for k in keys if cache.has(k)), None)
+            if key is None:
+                raise DatasetError(f"datasets[{backend.id}]: no cached clip to take the validation's first frame from")
+            self._conditioning = {k: v for k, v in cache.load(key).items() if k != "latents"}
+        return self._conditioning
+
+    def _validation_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
+        text = self.prompt_embedding(prompt)
+        return {**text, **self.validation_conditioning()} if getattr(self.adapter, "is_i2v", False) else text
+
     def runner(self) -> ValidationRunner:
         if self._runner is None:
             decoder = self.adapter.load_preview_decoder() if self.config.validation_preview else None
-            self._runner = ValidationRunner(self.config, self.adapter, self.prompt_embedding, preview_decoder=decoder,
+            self._runner = ValidationRunner(self.config, self.adapter, self._validation_embedding,
+                                            preview_decoder=decoder,
                                             on_preview=self._send_preview, on_image=self._send_image,
                                             autocast=self.accelerator.autocast)
         return self._runner
 
     def _send_image(self, image: ValidationImage, step: int) -> None:
         self.reporter.image("validation", step, image.path, prompt=image.prompt, nickname=image.nickname,
-                            resolution=image.resolution)
+                            resolution=image.resolution, video_path=image.video_path)
 
     def _send_preview(self, preview: PreviewImage, step: int) -> None:
         self.reporter.image("preview", step, preview.path, prompt=preview.prompt, nickname=preview.nickname,

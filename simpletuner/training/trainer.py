@@ -54,6 +54,7 @@ class TrainResult:
     text_encoder_forwards: int = 0
     latents_encoded: int = 0
     captions_encoded: int = 0
+    skipped_files: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class TrainData:
     text_identity: str
     latents_encoded: int = 0
     captions_encoded: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # dataset id -> files skipped (unreadable, too short...)
 
 
 class _StopFlag:
@@ -116,38 +118,77 @@ def preflight(config, adapter) -> None:
 
 
 def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
-    """Discover samples, build the bucket sampler, and fill the latent and text caches (main process first)."""
-    training_backends = [b for b in backends.datasets if b.dataset_type == "image"]
-    datasets = [discover(b, config, adapter.resolution_multiple) for b in training_backends]
+    """Discover samples, fill the latent and text caches (main process first), and build the bucket sampler from
+    the samples that encoded (a file that cannot be decoded is skipped, named and counted, never fatal mid-run)."""
+    training_backends = [b for b in backends.datasets if b.dataset_type in ("image", "video")]
+    datasets = [discover(b, config, adapter.resolution_multiple, temporal_compression=adapter.temporal_compression)
+                for b in training_backends]
     for backend, ds in zip(training_backends, datasets):
+        _check_i2v(backend, adapter)
         if not ds.samples:
             raise DatasetError(
-                f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
-                f"({len(ds.skipped)} skipped). Check instance_data_dir and minimum_image_size."
+                f"datasets[{backend.id}]: no usable {'videos or images' if adapter.is_video else 'images'} in "
+                f"{backend.instance_data_dir} ({len(ds.skipped)} skipped). Check instance_data_dir and "
+                f"{'the video options' if adapter.is_video else 'minimum_image_size'}."
             )
-        log.info("datasets[%s]: %d images, repeats=%d", backend.id, len(ds.samples), ds.repeats)
-    sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
 
     vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in training_backends}
     text_cache = TensorCache(backends.text_embeds.cache_dir)
-    captions = [s.caption for ds in datasets for s in ds.samples]
-    if config.caption_dropout_probability:
-        captions.append("")
+    unreadable: list = []
     with accelerator.main_process_first():
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
         latents_encoded = fill_latent_cache(
             {b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
-            adapter, config.vae_batch_size, show_progress=show,
+            adapter, config.vae_batch_size, show_progress=show, unreadable=unreadable,
         )
+        _drop_unreadable(datasets, unreadable)
+        captions = [s.caption for ds in datasets for s in ds.samples]
+        if config.caption_dropout_probability:
+            captions.append("")
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
                                            show_progress=show)
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
     adapter.unload_encoders()  # training reads the caches only
-    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
+    for backend, ds in zip(training_backends, datasets):
+        kind = "clips" if adapter.is_video else "images"
+        log.info("datasets[%s]: %d %s from %d files, repeats=%d, %d file(s) skipped", backend.id, len(ds.samples),
+                 kind, len({s.path for s in ds.samples}), ds.repeats, len(ds.skipped))
+        if not ds.samples:
+            raise DatasetError(f"datasets[{backend.id}]: no file in {backend.instance_data_dir} could be decoded "
+                               f"({len(ds.skipped)} skipped)")
+    sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
+    data = TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
+    data.skipped = {ds.dataset_id: len(ds.skipped) for ds in datasets}
+    return data
+
+
+def _check_i2v(backend, adapter) -> None:
+    """A dataset's ``video.is_i2v`` must agree with the model flavour (first-frame conditioning or none)."""
+    wanted = getattr(getattr(backend, "video", None), "is_i2v", None)
+    model = bool(getattr(adapter, "is_i2v", False))
+    if wanted is not None and bool(wanted) != model:
+        flavour = adapter.config.model_flavour
+        raise DatasetError(f"datasets[{backend.id}].video.is_i2v: {wanted} does not match model_flavour "
+                           f"{flavour!r}, which {'is' if model else 'is not'} an image-to-video flavour")
+
+
+def _drop_unreadable(datasets, unreadable) -> None:
+    """Move samples whose file failed to decode from ``samples`` to ``skipped`` (warned once per file)."""
+    if not unreadable:
+        return
+    bad = {}
+    for sample, reason in unreadable:
+        bad.setdefault(sample.path, reason)
+    for ds in datasets:
+        hit = {s.path for s in ds.samples if s.path in bad}
+        for path in sorted(hit):
+            log.warning("datasets[%s]: skipping %s: %s", ds.dataset_id, path, bad[path])
+            ds.skipped.append((path, bad[path]))
+        ds.samples = [s for s in ds.samples if s.path not in bad]
 
 
 def build_transformer(config, adapter, accelerator, generator: torch.Generator):
@@ -223,15 +264,16 @@ def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[
 # one batch
 # ---------------------------------------------------------------------------------------------------------------
 def load_batch(batch, data: TrainData, config, generator: torch.Generator, device):
-    latents = torch.stack([
-        data.vae_caches[s.dataset_id].load(latent_key(s, data.vae_identity))["latents"] for s in batch
-    ])
+    entries = [data.vae_caches[s.dataset_id].load(latent_key(s, data.vae_identity)) for s in batch]
+    latents = torch.stack([e["latents"] for e in entries])
     captions = [s.caption for s in batch]
     if config.caption_dropout_probability:
         drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
     text = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
                                   for c in captions])
+    # conditioning cached beside the latents (e.g. Wan I2V's first frame) travels with the text embeddings
+    text.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
     is_reg = torch.tensor([s.is_regularisation for s in batch])
     return latents.to(device), {k: v.to(device) for k, v in text.items()}, is_reg
 
@@ -392,7 +434,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     final_loss = state.losses[-1] if state.losses else _last_logged_loss(loss_log)
     result = TrainResult(str(output_dir), step, final_loss, losses=state.losses,
                          vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards,
-                         latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded)
+                         latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded,
+                         skipped_files=data.skipped)
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
         if config.model_type == "lora":

@@ -201,7 +201,10 @@ class WebhookReporter:
     def checkpoint(self, step, path) -> None:
         self._emit("checkpoint", {"step": step, "path": str(path)})
 
-    def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None) -> None:
+    def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None,
+              video_path=None) -> None:
+        """An image event carrying the file itself (``image_base64``); a video family's validation sends its
+        poster frame as the image and the mp4 as ``video_base64``."""
         if not self.enabled:
             return
         data: dict[str, Any] = {
@@ -217,6 +220,12 @@ class WebhookReporter:
             data["image_base64"] = base64.b64encode(Path(path).read_bytes()).decode("ascii")
         except OSError as exc:
             data["image_error"] = str(exc)
+        if video_path is not None:
+            data["video_path"] = str(video_path)
+            try:
+                data["video_base64"] = base64.b64encode(Path(video_path).read_bytes()).decode("ascii")
+            except OSError as exc:
+                data["video_error"] = str(exc)
         self._emit("image", data)
 
     def scores(self, step, metrics: dict) -> None:
@@ -357,13 +366,16 @@ class WebhookReporter:
         # discord
         message = {"content": _discord_message(event, target.prefix)}
         data = event.get("data", {})
-        if event["type"] == "image" and data.get("image_base64"):
-            png = base64.b64decode(data["image_base64"])
-            name = f"{data.get('kind', 'image')}-{data.get('step', 0)}.png"
+        if event["type"] == "image" and (data.get("video_base64") or data.get("image_base64")):
+            stem = f"{data.get('kind', 'image')}-{data.get('step', 0)}"
+            if data.get("video_base64"):  # a validation video goes as the mp4 itself
+                upload = (f"{stem}.mp4", base64.b64decode(data["video_base64"]), "video/mp4")
+            else:
+                upload = (f"{stem}.png", base64.b64decode(data["image_base64"]), "image/png")
             return client.post(
                 target.url,
                 data={"payload_json": json.dumps(message)},
-                files={"file": (name, png, "image/png")},
+                files={"file": upload},
                 headers=target.headers,
             )
         return client.post(target.url, json=message, headers=target.headers)

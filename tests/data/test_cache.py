@@ -24,6 +24,9 @@ class CountingAdapter:
         self.images += len(pixels)
         return pixels[:, :1, ::8, ::8].clone()
 
+    def latent_cache_entries(self, pixels):
+        return [{"latents": latent} for latent in self.encode_images(pixels)]
+
     def encode_prompts(self, prompts):
         self.prompts += len(prompts)
         return [TextEmbedding({"prompt_embeds": torch.full((2, 3), float(len(p)))}) for p in prompts]

@@ -3,7 +3,9 @@ flavour in a real subprocess: the loss on a fixed batch of the training images f
 checkpoint continues bit for bit, and the exported LoRA changes what the family's pipeline generates.
 
 The examples are meant for real weights on a GPU; the only overrides are the ones the tiny flavour on a CPU needs:
-``model_flavour=tiny``, fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps.
+``model_flavour=tiny``, fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps;
+a video family's example (its row's ``modality``) trains on datasets/sample_video with short clips and must also
+write a validation mp4 of the expected frame count.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simpletuner.config import family_names
+from simpletuner.config import family_names, get_family
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
@@ -39,18 +41,24 @@ def logged_losses(output: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, (output / "training_log.jsonl").read_text().splitlines())}
 
 
-def example_in(work: Path, family: str, resolution: int) -> Path:
-    """A copy of the example, as a user would run it from a checkout (relative paths), at ``resolution``."""
+def example_in(work: Path, family: str, resolution: int, frames: int | None = None) -> Path:
+    """A copy of the example, as a user would run it from a checkout (relative paths), at ``resolution`` (and clips
+    of ``frames`` frames for a video family)."""
     example = REPO / "config" / "examples" / family
     assert (example / "config.json").is_file() and (example / "multidatabackend.json").is_file(), \
         f"config/examples/{family}/ needs config.json and multidatabackend.json"
-    shutil.copytree(REPO / "datasets" / "sample", work / "datasets" / "sample")
+    for name in ("sample", "sample_video"):
+        shutil.copytree(REPO / "datasets" / name, work / "datasets" / name)
     target = work / "config" / "examples" / family
     shutil.copytree(example, target)
     backends = json.loads((target / "multidatabackend.json").read_text())
     for entry in backends:
-        if entry.get("dataset_type", "image") in ("image", "eval"):
+        if entry.get("dataset_type", "image") in ("image", "video", "eval"):
             entry.update(resolution=resolution, resolution_type="pixel", repeats=0)
+        if frames is not None and entry.get("dataset_type", "image") != "text_embeds":
+            assert entry.get("dataset_type") != "image" or entry.get("video"), \
+                f"config/examples/{family}: a video family's example should train on a video dataset"
+            entry["video"] = {**entry.get("video", {}), "num_frames": frames, "min_frames": frames, "frame_rate": 8}
     (target / "multidatabackend.json").write_text(json.dumps(backends, indent=2))
     return target / "config.json"
 
@@ -63,16 +71,28 @@ def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monke
 
     adapter_cls = get_adapter_class(family)
     size = 4 * adapter_cls.resolution_multiple
-    config = example_in(tmp_path, family, size)
+    video = get_family(family).modality == "video"
+    frames = adapter_cls.temporal_compression + 1 if video else None  # two latent frames
+    config = example_in(tmp_path, family, size, frames)
     common = ["model_flavour=tiny", "mixed_precision=no", "lr_warmup_steps=0", "learning_rate=5e-3",
               f"max_train_steps={STEPS}", f"checkpointing_steps={RESUME_AT}", "checkpoints_total_limit=",
               "resume_from_checkpoint=", f"validation_resolution={size}", "validation_num_inference_steps=2",
               "lora_dropout=0", "seed=7"]
+    if video:
+        common += [f"validation_num_video_frames={frames}"]
     out = tmp_path / "output" / family
     first = simpletuner_train(config, tmp_path, *common, f"output_dir={out}")
     assert "Training" in first.stderr
     full = logged_losses(out)
     assert sorted(full) == list(range(1, STEPS + 1))
+    if video:  # the final validation wrote an mp4 that decodes to the frames asked for, and its poster frame
+        import av
+
+        mp4s = sorted((out / "validation" / f"step_{STEPS}").glob("*.mp4"))
+        assert mp4s and mp4s[0].with_suffix(".png").is_file(), list((out / "validation").rglob("*"))
+        with av.open(str(mp4s[0])) as container:
+            decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(decoded) == frames and decoded[0].shape == (size, size, 3)
 
     # resume: training again from checkpoint-3 continues exactly as the first run went on (in this process, on
     # one thread like the subprocess, to keep the suite fast; tests/e2e/test_train_cli.py resumes through the CLI)
@@ -105,7 +125,8 @@ def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monke
     # a fixed batch of the training images, fixed noise, fixed timesteps
     from simpletuner.data.discovery import discover, load_pixels
 
-    samples = discover(backends.datasets[0], cfg, adapter.resolution_multiple).samples
+    samples = discover(backends.datasets[0], cfg, adapter.resolution_multiple,
+                       temporal_compression=adapter.temporal_compression).samples
     by_size: dict = {}
     for s in samples:
         by_size.setdefault(s.target_size, []).append(s)
@@ -126,9 +147,9 @@ def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monke
     def generate():
         kwargs = adapter.validation_pipeline_kwargs({k: v[:1] for k, v in text.items()}, None, guidance=1.0,
                                                     guidance_real=1.0)
-        image = pipe(height=size, width=size, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
-                     output_type="np", **kwargs).images
-        return torch.as_tensor(image)
+        out = pipe(**adapter.pipeline_call_kwargs(height=size, width=size, num_frames=frames), num_inference_steps=2,
+                   generator=torch.Generator().manual_seed(0), output_type="np", **kwargs)
+        return torch.as_tensor(out.frames if video else out.images)
 
     before, image_before = fixed_batch_loss(), generate()
     adapter.load_lora(pipe, out)

@@ -1,8 +1,10 @@
 """The battery every model family passes, in the spirit of diffusers' ``ModelTesterMixin``.
 
-A test class inherits ``FamilyContract`` and provides a ``family`` fixture (a name in the family table);
-``test_contract.py`` runs it over the whole table, so adding a family to the table adds it here. Each check runs
-the family's own tiny checkpoint through the family's own diffusers pipeline:
+A test class inherits ``FamilyContract`` and provides a ``family`` fixture (a name in the family table) and, where
+a family has several tiny flavours (Wan's T2V, I2V and two-expert 2.2), a ``flavour`` fixture; ``test_contract.py``
+runs it over the whole table, so adding a family to the table adds it here. Video families (``temporal_compression``
+set) run the same checks on (B, C, F, h, w) latents of a short clip. Each check runs the family's own tiny
+checkpoint through the family's own diffusers pipeline:
 
 - the tiny flavour is in the diffusers layout, deterministic, and loads with the pipeline's ``from_pretrained``;
 - the adapter's prediction equals what the pipeline hands its scheduler, from cached embeddings and from a prompt;
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from simpletuner.config import get_family, load_data_backends, load_train_config
+from simpletuner.config.families import tiny_flavours
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import get_adapter_class
 from tests.conftest import REPO
@@ -54,11 +57,41 @@ def _size(adapter) -> int:
     return 4 * adapter.resolution_multiple
 
 
+def _frames(adapter) -> int | None:
+    """Pixel frames of the contract's clip: two latent frames for a video family, None for an image family."""
+    return adapter.temporal_compression + 1 if adapter.is_video else None
+
+
+def _pixels(adapter) -> torch.Tensor:
+    """A deterministic picture (or clip) of 8-bit values in [-1, 1], as the data layer loads them."""
+    size, frames = _size(adapter), _frames(adapter)
+    g = torch.Generator().manual_seed(3)
+    shape = (1, 3, size, size) if frames is None else (1, 3, frames, size, size)
+    return torch.randint(0, 256, shape, generator=g).float() / 127.5 - 1.0
+
+
+def _capture_scheduler_steps(pipe):
+    """Record (model output, latents) the pipeline hands its scheduler's ``step`` at every step."""
+    captured = []
+    step = pipe.scheduler.step
+
+    def recording_step(model_output, timestep, sample, *args, **kwargs):
+        captured.append((model_output.detach().clone(), sample.detach().clone()))
+        return step(model_output, timestep, sample, *args, **kwargs)
+
+    pipe.scheduler.step = recording_step
+    return captured
+
+
 class FamilyContract:
     # ---- fixtures (class-scoped: one adapter and transformer per family) ------------------------------------
     @pytest.fixture(scope="class")
-    def adapter(self, family, tiny_dir):
-        adapter = get_adapter_class(family)(family_config(family))
+    def flavour(self):
+        return "tiny"
+
+    @pytest.fixture(scope="class")
+    def adapter(self, family, flavour, tiny_dir):
+        adapter = get_adapter_class(family)(family_config(family, model_flavour=flavour))
         adapter.load_vae()
         adapter.load_text_encoders()
         return adapter
@@ -68,13 +101,19 @@ class FamilyContract:
         return adapter.load_transformer().eval().requires_grad_(False)
 
     @pytest.fixture(scope="class")
-    def text(self, adapter):
-        return TextEmbedding.collate(adapter.encode_prompts([PROMPT]))
+    def cache_entry(self, adapter):
+        """What the latent cache stores for one picture or clip (latents, plus any conditioning beside them)."""
+        return adapter.latent_cache_entries(_pixels(adapter))[0]
 
     @pytest.fixture(scope="class")
-    def latents(self, adapter):
-        size = _size(adapter)
-        shape = adapter.encode_images(torch.zeros(1, 3, size, size)).shape  # the family's latent layout
+    def text(self, adapter, cache_entry):
+        text = TextEmbedding.collate(adapter.encode_prompts([PROMPT]))
+        text.update({k: v.unsqueeze(0) for k, v in cache_entry.items() if k != "latents"})
+        return text
+
+    @pytest.fixture(scope="class")
+    def latents(self, adapter, cache_entry):
+        shape = (1, *cache_entry["latents"].shape)  # the family's latent layout
         return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
     # ---- the checks ---------------------------------------------------------------------------------------
@@ -89,7 +128,7 @@ class FamilyContract:
         pipe = adapter.pipeline_class.from_pretrained(path)  # diffusers' own loader reads it as a whole
         assert getattr(pipe, adapter.denoiser_subfolder) is not None
         # deterministic: writing it again gives the same weights
-        type(adapter).write_tiny_checkpoint(tmp_path / "again")
+        adapter.write_tiny(tmp_path / "again")
         from safetensors.torch import load_file
 
         for sub in (adapter.denoiser_subfolder, "vae"):
@@ -101,26 +140,34 @@ class FamilyContract:
         row = get_family(family)
         assert type(adapter).family == family
         assert len(adapter.text_encoder_specs) == row.num_text_encoders
+        assert row.modality == ("video" if adapter.is_video else "image")
         assert adapter.config.prediction_type == row.default_objective == adapter.objective.name
 
     @pytest.mark.parametrize("mode", ["embeddings", "prompt"])
     def test_prediction_matches_the_pipeline(self, adapter, transformer, text, latents, mode):
         """What the adapter predicts for (noisy latents, t, text) is exactly what the family's pipeline computes
-        for the same latents at its first step, whether it gets cached embeddings or encodes the prompt itself."""
+        for the same latents at its first step the run trains on (the first step, but for a two-expert model's
+        low-noise expert), whether it gets cached embeddings or encodes the prompt itself."""
         pipe = adapter.build_pipeline(transformer)
         pipe.set_progress_bar_config(disable=True)
-        captured = _capture_scheduler_input(pipe)
+        captured = _capture_scheduler_steps(pipe)
+        size = _size(adapter)
         kwargs = adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0)
         if mode == "prompt":
             kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
             kwargs["prompt"] = PROMPT
-        size = _size(adapter)
+        kwargs.update(adapter.validation_conditioning(text, size, size))
         with torch.no_grad():
-            pipe(height=size, width=size, num_inference_steps=2, latents=adapter.pipeline_latents(latents),
-                 output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs)
-            t = adapter.objective.pipeline_timestep(pipe.scheduler, 0)
-            ours = adapter.pipeline_latents(adapter.predict(transformer, latents, t, text))
-        theirs = captured[0]
+            pipe(**adapter.pipeline_call_kwargs(height=size, width=size, num_frames=_frames(adapter)),
+                 num_inference_steps=2, latents=adapter.pipeline_latents(latents), output_type="latent",
+                 generator=torch.Generator().manual_seed(0), **kwargs)
+            index = next(i for i in range(len(captured))
+                         if adapter.objective.covers(adapter.objective.pipeline_timestep(pipe.scheduler, i)))
+            t = adapter.objective.pipeline_timestep(pipe.scheduler, index)
+            # later steps' inputs come back in the pipeline's layout (the same as training's for such families)
+            start = latents if index == 0 else captured[index][1]
+            ours = adapter.pipeline_latents(adapter.predict(transformer, start, t, text))
+        theirs = captured[index][0]
         assert ours.shape == theirs.shape
         assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
 
@@ -133,19 +180,21 @@ class FamilyContract:
                                     model)
             assert any(n.endswith("lora_A") for n, _ in model.named_modules()), preset
 
-    def test_a_lora_run_exports_what_the_pipeline_loads(self, family, adapter, text, latents, tmp_path):
+    def test_a_lora_run_exports_what_the_pipeline_loads(self, family, flavour, adapter, text, latents, tmp_path):
         from safetensors.torch import load_file
 
         from simpletuner.training.lora import add_lora, load_lora_state
         from simpletuner.training.trainer import train
 
         dataset = tmp_path / "data"
-        shutil.copytree(REPO / "datasets" / "sample", dataset)
-        backends = [{"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
-                     "resolution": _size(adapter), "resolution_type": "pixel",
-                     "cache_dir_vae": str(tmp_path / "cache/vae")},
-                    {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
-        config = family_config(family, output_dir=str(tmp_path / "out"), learning_rate=1e-2, lora_rank=4,
+        shutil.copytree(REPO / "datasets" / ("sample_video" if adapter.is_video else "sample"), dataset)
+        sample = {"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
+                  "resolution": _size(adapter), "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae")}
+        if adapter.is_video:
+            sample.update(dataset_type="video", video={"num_frames": _frames(adapter), "frame_rate": 8})
+        backends = [sample, {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        config = family_config(family, model_flavour=flavour, output_dir=str(tmp_path / "out"), learning_rate=1e-2,
+                               lora_rank=4,
                                train_batch_size=2, checkpointing_steps=3,
                                data_backend_config=str(tmp_path / "backends.json"))
         result = train(config, load_data_backends(backends, config=config))
@@ -170,7 +219,7 @@ class FamilyContract:
         copy = tmp_path / "model"
         shutil.copytree(adapter.ensure_tiny_checkpoint(), copy)
 
-        real_flavour = next(f for f in get_family(family).flavours if f != "tiny")
+        real_flavour = next(f for f in get_family(family).flavours if f not in tiny_flavours(get_family(family)))
 
         def identities():  # the copy as a family's real flavour would load it, from a local folder
             a = get_adapter_class(family)(family_config(family, model_flavour=real_flavour,

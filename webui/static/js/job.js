@@ -117,7 +117,13 @@ function promptKey(d) {
 
 function imageFigure(d, caption) {
   const figure = el("figure", { "data-step": d.step, "data-prompt": promptKey(d) });
-  if (d.image_url) {
+  if (d.video_url) {
+    // a video family's validation: the mp4, playable, with its first frame as the poster
+    const attrs = { src: withToken(d.video_url), controls: "", loop: "", muted: "", playsinline: "", preload: "metadata",
+      class: "validation-video", "aria-label": `${d.kind || "validation"} video, ${caption}` };
+    if (d.image_url) attrs.poster = withToken(d.image_url);
+    figure.append(el("video", attrs));
+  } else if (d.image_url) {
     const src = withToken(d.image_url);
     figure.append(el("a", { href: src, target: "_blank", rel: "noopener", "aria-label": `open ${caption} full size` },
       el("img", { src, alt: `${d.kind || "validation"} image, ${caption}`, loading: "lazy" })));
@@ -215,7 +221,7 @@ function onEvent(ev) {
       break;
     case "image":
       if (d.kind === "preview") addPreview(d);
-      else { addValidationImage(d); activity(ev, `validation image at step ${d.step}: ${promptKey(d)}`); }
+      else { addValidationImage(d); activity(ev, `validation ${d.video_url ? "video" : "image"} at step ${d.step}: ${promptKey(d)}`); }
       break;
     case "scores":
       addScores(d);
@@ -321,7 +327,7 @@ function renderArtefacts() {
     && !f.path.includes("/cache/") && !/(^|\/)validation\//.test(f.path));
   if (!wanted.length) return;
   list.replaceChildren(...wanted.map((f) => el("li", {}, fileLink(f), el("span", { class: "muted small" }, fmtBytes(f.size)))));
-  const images = files.filter((f) => /(^|\/)validation\/.+\.(png|jpe?g|webp)$/.test(f.path)).length;
+  const images = files.filter((f) => /(^|\/)validation\/.+\.(png|jpe?g|webp|mp4)$/.test(f.path)).length;
   if (images) list.append(el("li", { class: "muted small" }, `${images} validation and preview image files under output/validation/ (shown above)`));
 }
 
