@@ -84,8 +84,11 @@ class RecordingReporter:
         self.enabled = enabled
         self.events: list[tuple] = []
 
-    def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None):
+    def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None,
+              video_path=None):
         self.events.append(("image", kind, step, Path(path), nickname, inference_step))
+        if video_path is not None:
+            self.events.append(("video", kind, step, Path(video_path), nickname))
 
     def scores(self, step, metrics):
         self.events.append(("scores", step, dict(metrics)))
