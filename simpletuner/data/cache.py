@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from simpletuner.config import paths
 from simpletuner.data.discovery import Sample, load_pixels
 
 
@@ -32,6 +33,7 @@ def text_key(caption: str, text_identity: str) -> str:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    paths.guard_open("cache", path.parent)  # a server's job never writes outside its roots
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
     os.close(fd)
     try:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageOps
+
+from simpletuner.config import paths
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +156,12 @@ def discover(backend, defaults, multiple: int) -> DatasetSamples:
         raise DatasetError(f"datasets[{backend.id}].instance_data_dir: folder {root} does not exist")
     result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0))
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    roots = paths.roots_from_env()
     for path in files:
+        if roots is not None and not all(paths.within(os.path.realpath(p), roots)
+                                         for p in (path, path.with_suffix(".txt"))):
+            result.skipped.append((str(path), "it or its caption file links outside the allowed roots"))
+            continue
         try:
             with Image.open(path) as im:
                 width, height = ImageOps.exif_transpose(im).size

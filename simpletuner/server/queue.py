@@ -24,6 +24,8 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
+from simpletuner.config import paths
+
 from .broker import EventBroker
 from .db import Database, JobEventRow, JobRow, now
 from .settings import ServerSettings, hostname
@@ -390,6 +392,8 @@ class JobManager:
             SIMPLETUNER_RUN_DIR=str(run_dir),
             PYTHONUNBUFFERED="1",
         )
+        # the trainer checks every path again when it opens it (a symlink may have been swapped in since)
+        env[paths.ROOTS_ENV] = paths.roots_env_value(self.settings.resolved_allowed_roots())
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         elif not self.accelerators:

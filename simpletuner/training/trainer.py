@@ -33,6 +33,7 @@ from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.flow import add_noise, training_sigmas
 from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
+from simpletuner.training.paths import check_run_paths
 from simpletuner.training.webhooks import WebhookReporter
 
 log = logging.getLogger("simpletuner.trainer")
@@ -275,6 +276,7 @@ def _unwrap(model):
 # ---------------------------------------------------------------------------------------------------------------
 def train(config, backends, *, reporter: WebhookReporter | None = None) -> TrainResult:
     """Train as ``config`` says; returns where the results are. Raises TrainingInterrupted on SIGTERM."""
+    check_run_paths(config, backends)  # a server's job: every path still inside its allowed roots
     reporter = reporter or WebhookReporter.from_env(getattr(config, "webhook_config", None))
     output_dir = Path(config.output_dir)
     accelerator = Accelerator(

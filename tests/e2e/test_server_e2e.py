@@ -283,7 +283,7 @@ def test_auth_forged_webhooks_paths_and_bad_configs(tiny):
 
         escapes = [
             ({"--output_dir": "/etc/simpletuner"}, None, "train_config.output_dir"),
-            ({"--cache_dir": "../../../outside"}, None, "train_config.cache_dir"),
+            ({"--init_lora": "../../../outside/l.safetensors"}, None, "train_config.init_lora"),
             (None, {"instance_data_dir": "/root"}, "data_backends[sample].instance_data_dir"),
             (None, {"cache_dir_vae": "/var/tmp/../../etc"}, "data_backends[sample].cache_dir_vae"),
         ]

@@ -61,12 +61,11 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
     else:
         train_config, data_backends = dict(body.train_config or {}), list(body.data_backends or [])
         prompt_library, config_name, config_version = body.prompt_library, None, None
-    if body.overrides:
-        train_config.update(body.overrides)
     problem = mgr.capacity_problem(body.num_processes)
     if problem:
         raise InvalidConfig([FieldProblem("num_processes", problem)])
-    checked = deps.check(request, train_config, data_backends, prompt_library)
+    # overrides win over every spelling of their key (--key, TRAINER_EXTRA_ARGS), as on the command line
+    checked = deps.check(request, train_config, data_backends, prompt_library, overrides=body.overrides)
     job = mgr.submit(
         name=body.name or config_name or "",
         config_name=config_name,
