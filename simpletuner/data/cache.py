@@ -2,14 +2,18 @@
 
 A latent's key hashes (file path, size, mtime, bucket, resize, crop, VAE identity); a text embedding's key hashes
 (caption, encoder identity). A changed image or setting therefore gets a new key and only it is re-encoded, and a
-warm cache lets training run without loading the VAE or the text encoders at all.
+warm cache lets training run without loading the VAE or the text encoders at all. A damaged entry (cut short by a
+crash, a bad header) is found when the cache is filled, reported by name and encoded again; one that goes bad
+while training runs stops the run with an error naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import struct
 import tempfile
 from pathlib import Path
 
@@ -18,7 +22,32 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from simpletuner.config import paths
-from simpletuner.data.discovery import Sample, load_pixels
+from simpletuner.data.discovery import DatasetError, Sample, load_pixels
+
+log = logging.getLogger("simpletuner.cache")
+
+
+class CacheEntryDamaged(DatasetError):
+    """A cache file that does not read back (names the file); the next start encodes it again."""
+
+
+def safetensors_intact(path: Path) -> bool:
+    """Whether a .safetensors file is whole: its header parses and its size is what the header says.
+    Reads the header only (a truncated or garbled file fails; bit flips inside the data do not)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return False
+            (length,) = struct.unpack("<Q", head)
+            size = os.fstat(fh.fileno()).st_size
+            if length > size - 8:
+                return False
+            header = json.loads(fh.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + length + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
 
 
 def latent_key(sample: Sample, vae_identity: str) -> str:
@@ -54,10 +83,23 @@ class TensorCache:
         return self.folder / key[:2] / f"{key}.safetensors"
 
     def has(self, key: str) -> bool:
-        return self.path(key).is_file()
+        """Cached and whole; a damaged entry is removed (with a warning naming it), so it is encoded again."""
+        path = self.path(key)
+        if not path.is_file():
+            return False
+        if safetensors_intact(path):
+            return True
+        log.warning("%s: damaged cache entry; encoding it again", path)
+        path.unlink(missing_ok=True)
+        return False
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
-        return load_file(self.path(key))
+        path = self.path(key)
+        try:
+            return load_file(path)
+        except Exception as exc:  # safetensors' own error type, OSError, ...
+            raise CacheEntryDamaged(f"{path}: cache entry cannot be read ({exc}); it is encoded again when "
+                                    "the run is started again (Retry)") from None
 
     def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         _atomic_save(tensors, self.path(key))

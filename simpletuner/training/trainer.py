@@ -32,6 +32,7 @@ from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.flow import add_noise, training_sigmas
+from simpletuner.training.guards import NanLossGuard, require_finite
 from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
 from simpletuner.training.paths import check_run_paths
 from simpletuner.training.webhooks import WebhookReporter
@@ -315,10 +316,10 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
 
     # ---- resume ----
     global_step, epoch, batch_in_epoch = 0, 0, 0
-    resume_path = ckpt.resolve_resume(output_dir, config.resume_from_checkpoint)
-    if resume_path is not None:
-        trainable, state = ckpt.load_checkpoint(resume_path, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                                generator=generator, rank=accelerator.process_index)
+    resumed = ckpt.resume(output_dir, config.resume_from_checkpoint, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          generator=generator, rank=accelerator.process_index)
+    if resumed is not None:
+        resume_path, trainable, state = resumed
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
         global_step, epoch, batch_in_epoch = state["global_step"], state["epoch"], state["batch_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, global_step, epoch, batch_in_epoch)
@@ -336,6 +337,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     bar = tqdm(total=max_steps, initial=global_step, desc="Training", disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), global_step
     accumulated = 0.0
+    nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while global_step < max_steps:
             batches = data.sampler.epoch_batches(epoch)
@@ -348,12 +350,15 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                 with accelerator.accumulate(transformer):
                     loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
                     accelerator.backward(loss)
+                    accumulated += (accelerator.gather(loss.detach()).mean().item()
+                                    / config.gradient_accumulation_steps)
+                    if accelerator.sync_gradients and not math.isfinite(accumulated):
+                        optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
                     if accelerator.sync_gradients and config.max_grad_norm:
                         accelerator.clip_grad_norm_(params, config.max_grad_norm)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                accumulated += accelerator.gather(loss.detach()).mean().item() / config.gradient_accumulation_steps
                 if not accelerator.sync_gradients:
                     continue
 
@@ -371,6 +376,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                     with loss_log.open("a") as fh:
                         fh.write(json.dumps({"step": global_step, "loss": step_loss, "lr": lr, "epoch": epoch}) + "\n")
                     reporter.progress(global_step, max_steps, step_loss, lr, it_s, eta, epoch=epoch)
+                nan_guard.check(global_step, step_loss)
                 evaluator.on_step(global_step, transformer, loss=step_loss, lr=lr)
                 if config.checkpointing_steps and global_step % config.checkpointing_steps == 0:
                     _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
@@ -393,13 +399,14 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                          latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded)
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
+        require_finite(_trainable_state(model, config), global_step, "the final model")
         if config.model_type == "lora":
             result.lora_path = str(adapter.save_lora(lora_state_dict(model), output_dir))
         else:
             model.save_pretrained(output_dir / "transformer", safe_serialization=True)
             result.model_path = str(output_dir / "transformer")
         summary = {k: v for k, v in result.__dict__.items() if k != "losses"}
-        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        ckpt.write_json(output_dir / "run_summary.json", summary)
     accelerator.end_training()
     return result
 
@@ -408,8 +415,12 @@ def _last_logged_loss(loss_log: Path) -> float | None:
     """The newest loss in training_log.jsonl (a resumed run that had nothing left to train reports it)."""
     if not loss_log.is_file():
         return None
-    lines = loss_log.read_text().strip().splitlines()
-    return json.loads(lines[-1])["loss"] if lines else None
+    for line in reversed(loss_log.read_text().strip().splitlines()):
+        try:
+            return json.loads(line)["loss"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            continue
+    return None
 
 
 def _trainable_state(model, config) -> dict[str, torch.Tensor]:
@@ -431,6 +442,8 @@ def _load_trainable(model, state, config, source: str) -> None:
 
 def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, generator, reporter,
                 global_step, epoch, batch_in_epoch):
+    trainable = _trainable_state(accelerator.unwrap_model(transformer), config)
+    require_finite(trainable, global_step, "checkpoint")  # on every rank, so they stop together
     if not accelerator.is_main_process:
         torch.save(ckpt.rng_state(generator), ckpt.rank_rng_path(config.output_dir, global_step,
                                                                 accelerator.process_index))
@@ -439,7 +452,7 @@ def _checkpoint(config, accelerator, transformer, optimizer, lr_scheduler, gener
         return
     path = ckpt.save_checkpoint(
         config.output_dir, global_step,
-        trainable=_trainable_state(accelerator.unwrap_model(transformer), config),
+        trainable=trainable,
         optimizer=optimizer, lr_scheduler=lr_scheduler, generator=generator,
         training_state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
         total_limit=config.checkpoints_total_limit, num_processes=accelerator.num_processes,
