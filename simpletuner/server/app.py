@@ -17,6 +17,7 @@ from simpletuner import __version__
 from .auth import require_auth
 from .broker import EventBroker
 from .db import Database
+from .guards import RequestGuard
 from .queue import JobManager
 from .settings import ServerSettings
 from .validation import InvalidConfig
@@ -25,9 +26,10 @@ logger = logging.getLogger("simpletuner.server")
 
 DESCRIPTION = """Queue and watch SimpleTuner training jobs.
 
-Loopback clients need no token unless the server runs with `--require-token`; everyone else sends
-`Authorization: Bearer <token>`. Trainer webhooks (`POST /api/jobs/{id}/events`) are signed with the job's
-HMAC secret instead."""
+Loopback clients (that also name a loopback host) need no token unless the server runs with `--require-token`;
+everyone else sends `Authorization: Bearer <token>` (a token in the URL is refused). State-changing requests from
+another origin are refused. Trainer webhooks (`POST /api/jobs/{id}/events`) are signed with the job's HMAC secret
+instead."""
 
 
 def _loc_to_path(loc) -> str:
@@ -102,4 +104,5 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(schema.router, dependencies=auth)
     app.include_router(ui.router)  # the web UI's pages, "/" included
     app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
+    app.add_middleware(RequestGuard, settings=settings)
     return app

@@ -4,7 +4,8 @@
     simpletuner jobs submit --config-name tiny-flux --set max_train_steps=10
     simpletuner jobs list | show ID | cancel ID | logs ID [--follow] | watch ID
 
-``--server`` (or $SIMPLETUNER_SERVER, default http://127.0.0.1:8001) and ``--token`` (or $SIMPLETUNER_API_TOKEN).
+``--server`` (or $SIMPLETUNER_SERVER, default http://127.0.0.1:8001); the token from $SIMPLETUNER_API_TOKEN or
+``--token-file`` (never on the command line, where ``ps`` shows it).
 """
 
 from __future__ import annotations
@@ -121,13 +122,15 @@ def parse_sse(lines: Iterator[str]) -> Iterator[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("SIMPLETUNER_SERVER", DEFAULT_SERVER),
                         help=f"server URL (default $SIMPLETUNER_SERVER or {DEFAULT_SERVER})")
-    parser.add_argument("--token", default=os.environ.get("SIMPLETUNER_API_TOKEN"),
-                        help="API token (default $SIMPLETUNER_API_TOKEN)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="read the API token from this file (default $SIMPLETUNER_API_TOKEN)")
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: ps would show it
     parser.add_argument("--json", action="store_true", help="print raw JSON")
     # The same options after the action (``jobs list --token T``); SUPPRESS keeps the values given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--server", default=argparse.SUPPRESS, help="server URL")
-    common.add_argument("--token", default=argparse.SUPPRESS, help="API token")
+    common.add_argument("--token-file", type=Path, default=argparse.SUPPRESS, help="read the API token from this file")
+    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print raw JSON")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
@@ -279,8 +282,26 @@ def _follow(client: Client, job_id: int, as_json: bool) -> int:
     return 0 if job["status"] == "succeeded" else 1
 
 
+def resolve_token(args: argparse.Namespace) -> str | None:
+    """$SIMPLETUNER_API_TOKEN or --token-file; --token is refused (ps shows command lines to every user)."""
+    if getattr(args, "token", None) is not None:
+        raise ClientError("--token puts the token on the command line, where `ps` shows it to every user of this "
+                          "machine; set $SIMPLETUNER_API_TOKEN or use --token-file FILE instead")
+    if getattr(args, "token_file", None) is not None:
+        try:
+            return Path(args.token_file).expanduser().read_text().strip() or None
+        except OSError as exc:
+            raise ClientError(f"--token-file {args.token_file}: cannot be read ({exc.strerror or exc})") from None
+    return os.environ.get("SIMPLETUNER_API_TOKEN") or None
+
+
 def run(args: argparse.Namespace) -> int:
-    client = Client(args.server, args.token)
+    try:
+        token = resolve_token(args)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    client = Client(args.server, token)
     try:
         return _run(client, args)
     except ClientError as exc:

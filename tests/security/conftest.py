@@ -51,5 +51,5 @@ def sandbox(tmp_path) -> Sandbox:
 def api(sandbox):
     """The server in-process (scheduler off: submitted jobs stay queued), from loopback."""
     app = create_app(make_settings(sandbox.tmp, sandbox.work, data_dir=sandbox.data, run_scheduler=False))
-    with TestClient(app, client=LOOPBACK) as c:
+    with TestClient(app, client=LOOPBACK, base_url="http://127.0.0.1") as c:
         yield c

@@ -6,13 +6,13 @@ import sys
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy import func, select
 
 from simpletuner import __version__
 
 from .. import deps
-from ..auth import require_auth
+from ..auth import SESSION_COOKIE, require_auth, session_value
 from ..db import JobRow
 from ..schemas import ERRORS, HealthOut, SystemOut
 
@@ -22,6 +22,24 @@ router = APIRouter(tags=["system"])
 @router.get("/api/health", response_model=HealthOut, summary="Liveness (no token needed)")
 def health() -> HealthOut:
     return HealthOut()
+
+
+@router.post("/api/session", status_code=204, responses=ERRORS, dependencies=[Depends(require_auth)],
+             summary="Start a web UI session: a cookie (HttpOnly, SameSite=Strict) that stands for the token")
+def start_session(request: Request) -> Response:
+    response = Response(status_code=204)
+    token = request.app.state.token
+    if token:  # EventSource and <img> cannot send the Authorization header; they send this cookie instead
+        response.set_cookie(SESSION_COOKIE, session_value(token), httponly=True, samesite="strict", path="/",
+                            secure=request.url.scheme == "https")
+    return response
+
+
+@router.delete("/api/session", status_code=204, summary="End the web UI session (drop its cookie)")
+def end_session() -> Response:
+    response = Response(status_code=204)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
 
 
 def _redact(url: str) -> str:

@@ -2,7 +2,7 @@
 // connection with Last-Event-ID), drawing progress, charts, images, checkpoints and the activity list.
 
 import {
-  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast, withToken,
+  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { LineChart } from "./chart.js";
 
@@ -85,7 +85,7 @@ function renderJob() {
     if (job.log_tail) errorBox.append(el("details", {}, el("summary", {}, "last log lines"), el("pre", {}, job.log_tail)));
     errorBox.hidden = false;
   }
-  document.getElementById("log-download").href = withToken(`/api/jobs/${job.id}/files/train.log`);
+  document.getElementById("log-download").href = `/api/jobs/${job.id}/files/train.log`;
 }
 
 function refreshJobSoon(ms = 300) {
@@ -118,7 +118,7 @@ function promptKey(d) {
 function imageFigure(d, caption) {
   const figure = el("figure", { "data-step": d.step, "data-prompt": promptKey(d) });
   if (d.image_url) {
-    const src = withToken(d.image_url);
+    const src = d.image_url;
     figure.append(el("a", { href: src, target: "_blank", rel: "noopener", "aria-label": `open ${caption} full size` },
       el("img", { src, alt: `${d.kind || "validation"} image, ${caption}`, loading: "lazy" })));
   } else {
@@ -291,7 +291,7 @@ function rel(path) {
 }
 
 function fileLink(f) {
-  return el("a", { href: withToken(`/api/jobs/${jobId}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`), download: f.path.split("/").pop() }, f.path);
+  return el("a", { href: `/api/jobs/${jobId}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`, download: f.path.split("/").pop() }, f.path);
 }
 
 function renderCheckpoints() {
