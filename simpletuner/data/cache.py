@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import tempfile
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from simpletuner.config import paths
+from simpletuner.config.files import safetensors_intact
 from simpletuner.data.discovery import DatasetError, Sample, load_pixels
 
 log = logging.getLogger("simpletuner.cache")
@@ -29,25 +29,6 @@ log = logging.getLogger("simpletuner.cache")
 
 class CacheEntryDamaged(DatasetError):
     """A cache file that does not read back (names the file); the next start encodes it again."""
-
-
-def safetensors_intact(path: Path) -> bool:
-    """Whether a .safetensors file is whole: its header parses and its size is what the header says.
-    Reads the header only (a truncated or garbled file fails; bit flips inside the data do not)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                return False
-            (length,) = struct.unpack("<Q", head)
-            size = os.fstat(fh.fileno()).st_size
-            if length > size - 8:
-                return False
-            header = json.loads(fh.read(length))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return size == 8 + length + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return False
 
 
 def latent_key(sample: Sample, vae_identity: str) -> str:

@@ -40,6 +40,7 @@ class ServerSettings:
     port: int = DEFAULT_PORT
     data_dir: Path = field(default_factory=default_data_dir)
     db_url: str | None = None  # default: sqlite file under data_dir
+    db_busy_timeout: float = 10.0  # seconds a request waits for a locked SQLite database before a 503
     # None: one slot per detected accelerator, 1 on CPU.
     max_concurrent: int | None = None
     # Accelerator ids to hand out (CUDA_VISIBLE_DEVICES); None: detect with nvidia-smi.

@@ -9,7 +9,7 @@ from simpletuner.server import cli as server_cli
 from simpletuner.server import client as jobs_cli
 from simpletuner.server.client import parse_sse
 
-from tests.server.helpers import data_backends, train_config
+from tests.server.helpers import data_backends, job_body, train_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,3 +101,32 @@ def test_a_token_on_the_command_line_is_refused(tmp_path, capsys):
     args = _build_parser("jobs").parse_args(["jobs", "--server", "http://127.0.0.1:9", "--token", "s3cret", "list"])
     assert jobs_cli.run(args) == 2
     assert "--token-file" in capsys.readouterr().err
+
+
+def test_set_overrides_a_key_the_config_spells_with_dashes(live_server, workdir, tmp_path, monkeypatch, capsys):
+    """`--set max_train_steps=2` on a config holding "--max_train_steps" (and TRAINER_EXTRA_ARGS) was refused as
+    "given twice"; an override must override."""
+    srv = live_server(run_scheduler=False)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"--model_family": "flux", "--model_flavour": "tiny", "--max_train_steps": 50,
+                               "TRAINER_EXTRA_ARGS": "--lora_rank=8 --learning-rate=1e-3",
+                               "--data_backend_config": str(tmp_path / "mdb.json")}))
+    (tmp_path / "mdb.json").write_text(json.dumps(data_backends(str(workdir / "imgs"))))
+    monkeypatch.chdir(tmp_path)
+    assert _jobs(srv, "submit", "--config", str(cfg), "--set", "max_train_steps=2", "--set", "lora_rank=4",
+                 "--set", "learning_rate=5e-4") == 0, capsys.readouterr().err
+    frozen = srv.http.get("/api/jobs/1").json()["train_config"]
+    assert (frozen["max_train_steps"], frozen["lora_rank"], frozen["learning_rate"]) == (2, 4, 5e-4)
+
+
+def test_jobs_retry_continues_the_run(live_server, capsys):
+    srv = live_server()
+    body = job_body(train={"tracker_run_name": "resume", "max_train_steps": 9, "checkpointing_steps": 3,
+                           "tracker_project_name": "crash-at-7"})
+    job = srv.http.post("/api/jobs", json=body).json()
+    srv.wait_status(job["id"], "failed")
+    assert _jobs(srv, "retry", str(job["id"]), "--wait") == 0
+    out = capsys.readouterr().out
+    assert "resumes from step 6" in out and f"job {job['id']} succeeded" in out
+    assert _jobs(srv, "retry", str(job["id"]), "--start-over") == 0
+    assert "starts over" in capsys.readouterr().out

@@ -12,7 +12,9 @@ from sqlalchemy import delete, func, select
 
 from .. import deps
 from ..db import FINISHED, JobEventRow, JobRow
-from ..schemas import CONFLICT, ERRORS, MAX_ID, NOT_FOUND, FileOut, JobCreate, JobDetail, JobList, JobOut, JobPatch
+from ..queue import RetryConflict
+from ..schemas import (CONFLICT, ERRORS, MAX_ID, NOT_FOUND, FileOut, JobCreate, JobDetail, JobList, JobOut, JobPatch,
+                       JobRetry)
 from ..validation import FieldProblem, InvalidConfig
 from .configs import load_version
 
@@ -76,6 +78,7 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
         priority=body.priority,
         num_processes=body.num_processes,
         retry_on_restart=body.retry_on_restart,
+        max_retries=body.max_retries,
     )
     with deps.db(request).session() as s:
         return job_out(_get(s, job.id), _positions(s), warnings=checked.warnings)
@@ -133,6 +136,20 @@ def cancel_job(job_id: JobId, request: Request) -> JobOut:
     if job.status in FINISHED:
         raise HTTPException(409, f"job {job_id} already {job.status}")
     mgr.cancel(job_id)
+    with deps.db(request).session() as s:
+        return job_out(_get(s, job_id), _positions(s))
+
+
+@router.post("/{job_id}/retry", response_model=JobOut, responses={**NOT_FOUND, **CONFLICT},
+             summary="Retry a finished job: the same run continues from its newest valid checkpoint "
+                     "(or starts over)")
+def retry_job(job_id: JobId, request: Request, body: JobRetry | None = None) -> JobOut:
+    try:
+        job = deps.manager(request).retry(job_id, start_over=bool(body and body.start_over))
+    except RetryConflict as exc:
+        raise HTTPException(409, str(exc)) from None
+    if job is None:
+        raise deps.not_found(f"job {job_id}")
     with deps.db(request).session() as s:
         return job_out(_get(s, job_id), _positions(s))
 

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 
 from simpletuner import __version__
@@ -19,8 +20,18 @@ from ..schemas import ERRORS, HealthOut, SystemOut
 router = APIRouter(tags=["system"])
 
 
-@router.get("/api/health", response_model=HealthOut, summary="Liveness (no token needed)")
-def health() -> HealthOut:
+@router.get("/api/health", response_model=HealthOut, responses={503: {"model": HealthOut}},
+            summary="Health: the server answers and its database reads (no token needed)")
+def health(request: Request):
+    db = deps.db(request)
+    try:
+        db.probe()
+        if request.app.state.db_error is not None:  # a request met a database error: look at the whole file
+            db.check_integrity()
+            request.app.state.db_error = None
+    except Exception as exc:  # the driver's errors, DatabaseDamaged
+        detail = str(getattr(exc, "orig", None) or exc)
+        return JSONResponse(status_code=503, content=HealthOut(status="error", detail=detail).model_dump())
     return HealthOut()
 
 
