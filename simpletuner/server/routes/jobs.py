@@ -151,7 +151,7 @@ def retry_job(job_id: JobId, request: Request, body: JobRetry | None = None) -> 
     if job is None:
         raise deps.not_found(f"job {job_id}")
     with deps.db(request).session() as s:
-        return job_out(_get(s, job_id), _positions(s))
+        return job_out(job, _positions(s))  # as re-queued (the scheduler may have started it already)
 
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, responses={**NOT_FOUND, **CONFLICT},

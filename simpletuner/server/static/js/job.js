@@ -61,6 +61,7 @@ function renderJob() {
   cancel.disabled = job.cancel_requested;
   cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel";
   document.getElementById("retry-button").hidden = !FINISHED.has(job.status);
+  document.getElementById("start-over-button").hidden = !FINISHED.has(job.status);
   if (job.progress) applyProgress(job.progress);
   else if (job.status === "queued") {
     document.getElementById("progress-label").textContent = job.queue_position ? `queued, #${job.queue_position} in line` : "queued";
@@ -341,12 +342,16 @@ function loadFilesSoon() {
 document.getElementById("cancel-button").addEventListener("click", async () => {
   try { await api(`/api/jobs/${jobId}/cancel`, { method: "POST" }); toast("Cancel requested."); refreshJobSoon(0); } catch (e) { toast(e.message, { error: true }); }
 });
-document.getElementById("retry-button").addEventListener("click", async () => {
-  const body = job.config_name
-    ? { config_name: job.config_name, config_version: job.config_version, name: job.name, priority: job.priority, num_processes: job.num_processes }
-    : { train_config: job.train_config, data_backends: job.data_backends, prompt_library: job.prompt_library, name: job.name, priority: job.priority, num_processes: job.num_processes };
-  try { const created = await api("/api/jobs", { method: "POST", body }); location.href = `/jobs/${created.id}`; } catch (e) { toast(e.message, { error: true }); }
-});
+// Retry continues this job's run from its newest checkpoint; Start over begins again at step 0 (the old output
+// stays in the run dir). Either way the page reloads to follow the new attempt.
+async function retry(startOver) {
+  try {
+    await api(`/api/jobs/${jobId}/retry`, { method: "POST", body: { start_over: startOver } });
+    location.reload();
+  } catch (e) { toast(e.message, { error: true }); }
+}
+document.getElementById("retry-button").addEventListener("click", () => retry(false));
+document.getElementById("start-over-button").addEventListener("click", () => retry(true));
 document.getElementById("gallery-prompt").addEventListener("change", applyPromptFilter);
 
 function liveState(state) {
