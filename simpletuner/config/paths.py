@@ -40,8 +40,9 @@ class PathOutsideRoots(ValueError):
 class PathField:
     name: str
     kind: str  # "dir" | "file" | "model" | "webhook" | "subfolder"
-    # a field whose value is also a base of a relative path (logging_dir: output_dir); both readings are checked
-    relative_to: str | None = None
+    # what a relative path is read from: "workdir" (the working dir), "output_dir" (logging_dir), or "either"
+    # (resume_from_checkpoint: the working dir if it exists there, else output_dir; both readings are checked)
+    base: str = "workdir"
 
 
 def path_fields(model: Any) -> dict[str, PathField]:
@@ -51,7 +52,7 @@ def path_fields(model: Any) -> dict[str, PathField]:
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, Mapping) else {}
         kind = extra.get("path")
         if kind:
-            out[name] = PathField(name, kind, extra.get("path_relative_to"))
+            out[name] = PathField(name, kind, extra.get("path_base", "workdir"))
     return out
 
 
@@ -106,6 +107,20 @@ def problem(value: Any, roots: list[Path], base: str | os.PathLike[str], kind: s
             folded_real = None
         if folded_real is None or not within(folded_real, roots):
             return f"{value!r} looks like {folded!r}, which is outside the allowed roots ({shown})"
+    return None
+
+
+def field_problem(spec: PathField, value: Any, roots: list[Path], workdir: str | os.PathLike[str],
+                  output_dir: str | os.PathLike[str] | None) -> str | None:
+    """``problem`` for a path field, read from every base the trainer may read it from."""
+    if spec.name == "resume_from_checkpoint" and value == "latest":
+        return None
+    bases = {"workdir": [workdir], "output_dir": [output_dir], "either": [workdir, output_dir]}[spec.base]
+    for base in bases:
+        if base is not None:
+            message = problem(value, roots, base, spec.kind)
+            if message:
+                return message
     return None
 
 

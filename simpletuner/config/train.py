@@ -267,7 +267,11 @@ class TrainConfig(StrictModel):
         None, "training", "keep at most this many checkpoints; empty = keep all", ge=1
     )
     resume_from_checkpoint: Optional[str] = _field(
-        None, "training", "'latest', a checkpoint folder, or empty to start fresh", extra={"path": "dir"}
+        None,
+        "training",
+        "'latest', a checkpoint folder (relative: from the working directory, else from output_dir), or empty to "
+        "start fresh",
+        extra={"path": "dir", "path_base": "either"},
     )
 
     # data
@@ -377,7 +381,7 @@ class TrainConfig(StrictModel):
         "logs",
         "logging",
         "folder for tracker logs (under output_dir)",
-        extra={"path": "dir", "path_relative_to": "output_dir"},
+        extra={"path": "dir", "path_base": "output_dir"},
     )
     webhook_config: Optional[list[WebhookConfig]] = _field(
         None,

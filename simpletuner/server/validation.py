@@ -75,12 +75,9 @@ def _train_path_fields() -> dict[str, paths.PathField]:
 
 def _check_value(field_path: str, value: Any, spec: paths.PathField, roots: list[Path], base: Path,
                  output_base: Path | None, out: list[FieldProblem]) -> bool:
-    """Add a problem for ``value`` (and for its reading relative to ``output_base``); True when it passed."""
-    if spec.name == "resume_from_checkpoint" and value == "latest":
-        return True
-    message = paths.problem(value, roots, base, spec.kind)
-    if message is None and spec.relative_to and output_base is not None and isinstance(value, str):
-        message = paths.problem(value, roots, output_base, spec.kind)
+    """Add a problem for ``value`` (read from ``base``, or from ``output_base`` where the trainer reads it from
+    its output folder); True when it passed."""
+    message = paths.field_problem(spec, value, roots, base, output_base)
     if message:
         out.append(FieldProblem(field_path, message))
     return message is None
@@ -215,8 +212,9 @@ def check_config(
         resolution, resolution_type = loaded.config.resolution, loaded.config.resolution_type
         schema_version = getattr(loaded.config, "config_version", None)
         for name, value, spec in paths.config_paths(loaded.config):  # defaults are paths too
-            if name not in values and f"train_config.{name}" not in seen and name not in ("data_backend_config",
-                                                                                          "user_prompt_library"):
+            # output_dir is the server's own choice for a job (RUN_DIR/output); the others, defaults included, count
+            if name not in values and f"train_config.{name}" not in seen and name not in (
+                    "output_dir", "data_backend_config", "user_prompt_library"):
                 _check_value(f"train_config.{name}", value, spec, roots, base, output_base, problems)
     except ConfigError as exc:
         problems.extend(_config_errors(exc, "train_config"))

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.training import failpoints
+
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger("simpletuner.checkpoint")
 
@@ -92,6 +94,7 @@ def save_checkpoint(output_dir, step: int, *, trainable: dict[str, torch.Tensor]
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        failpoints.hit("checkpoint.save", step)  # crash drills: die with the checkpoint half-written
         torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(generator), tmp / "rng.pt")
         for rank in range(1, num_processes):  # each rank draws its own noise; each resumes with its own RNG

@@ -15,7 +15,7 @@ from simpletuner.config import paths
 
 def check_run_paths(config, backends) -> None:
     """PathOutsideRoots listing every path field of ``config`` and ``backends`` that resolves outside the job's
-    roots (relative paths from the working directory; ``logging_dir`` also from ``output_dir``)."""
+    roots (relative paths from where the trainer reads them: the working directory, or ``output_dir``)."""
     roots = paths.roots_from_env()
     if roots is None:
         return
@@ -23,9 +23,7 @@ def check_run_paths(config, backends) -> None:
     output = paths.resolve(config.output_dir, cwd)
     problems = []
     for field, value, spec in paths.config_paths(config, backends):
-        message = paths.problem(value, roots, cwd, spec.kind)
-        if message is None and spec.relative_to and isinstance(value, str):
-            message = paths.problem(value, roots, output, spec.kind)
+        message = paths.field_problem(spec, value, roots, cwd, output)
         if message:
             problems.append((field, message))
     if problems:

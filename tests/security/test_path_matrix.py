@@ -22,19 +22,26 @@ TRAIN_FIELDS = path_fields(TrainConfig)
 DATA_FIELDS = [("d", name) for name in path_fields(DatasetBackend)] + \
               [("te", name) for name in path_fields(TextEmbedsBackend)]
 
-# trick -> value, built from the sandbox (the working dir is tmp/work; tmp/outside must stay untouched)
+# trick -> value for a field read from ``base``: ``up`` climbs from that base to the sandbox's top (the working dir
+# is tmp/work; a job's output folder, from which logging_dir is read, is tmp/data/runs/job-N/output)
 TRICKS = {
-    "dotdot": lambda sb: "../outside/x",
-    "absolute": lambda sb: str(sb.outside / "x"),
-    "tilde": lambda sb: "~/x",  # HOME is the outside folder
-    "url": lambda sb: "s3://bucket/../../../outside/x",  # a local path to the trainer: s3:/bucket/..
-    "brace": lambda sb: "{/../../outside/x",
-    "bracket": lambda sb: "[/../../outside/x",
-    "symlink": lambda sb: "link/x",
-    "nul": lambda sb: "imgs\x00/../../outside/x",
-    "lookalike-dots": lambda sb: "\u2025/outside/x",  # TWO DOT LEADER, NFKC "..": "../outside/x"
-    "fullwidth": lambda sb: "\uff0e\uff0e\uff0foutside\uff0fx",  # NFKC "../outside/x"
+    "dotdot": lambda sb, up, link: f"{up}outside/x",
+    "absolute": lambda sb, up, link: str(sb.outside / "x"),
+    "tilde": lambda sb, up, link: "~/x",  # HOME is the outside folder
+    "url": lambda sb, up, link: f"s3://bucket/../../{up}outside/x",  # a local path to the trainer: s3:/bucket/..
+    "brace": lambda sb, up, link: f"{{/../{up}outside/x",
+    "bracket": lambda sb, up, link: f"[/../{up}outside/x",
+    "symlink": lambda sb, up, link: link,
+    "nul": lambda sb, up, link: f"imgs\x00/../{up}outside/x",
+    "lookalike-dots": lambda sb, up, link: f"{up}".replace("..", "\u2025") + "outside/x",  # NFKC: ".."
+    "fullwidth": lambda sb, up, link: up.replace(".", "\uff0e").replace("/", "\uff0f") + "outside\uff0fx",
 }
+
+
+def _value(sb, trick: str, base: str = "workdir") -> str:
+    up = "../../../../" if base == "output_dir" else "../"
+    link = str(sb.work / "link" / "x") if base == "output_dir" else "link/x"
+    return TRICKS[trick](sb, up, link)
 
 
 def _tricks_for(kind: str) -> list[str]:
@@ -55,7 +62,7 @@ def _errors(response) -> dict[str, str]:
 def test_train_config_path_tricks_are_refused(api, sandbox, monkeypatch, name, trick):
     monkeypatch.setenv("HOME", str(sandbox.outside))
     before = sandbox.outside_files()
-    value = TRICKS[trick](sandbox)
+    value = _value(sandbox, trick, TRAIN_FIELDS[name].base)
     r = api.post("/api/jobs", json={"train_config": train_config(**{f"--{name}": value}),
                                     "data_backends": data_backends()})
     assert f"train_config.{name}" in _errors(r)
@@ -67,7 +74,7 @@ def test_train_config_path_tricks_are_refused(api, sandbox, monkeypatch, name, t
 def test_data_backend_path_tricks_are_refused(api, sandbox, monkeypatch, entry, name, trick):
     monkeypatch.setenv("HOME", str(sandbox.outside))
     backends = data_backends()
-    next(b for b in backends if b["id"] == entry)[name] = TRICKS[trick](sandbox)
+    next(b for b in backends if b["id"] == entry)[name] = _value(sandbox, trick)
     r = api.post("/api/jobs", json={"train_config": train_config(), "data_backends": backends})
     assert f"data_backends[{entry}].{name}" in _errors(r)
 

@@ -145,3 +145,31 @@ def test_write_json_is_atomic(tmp_path):
     ckpt.write_json(target, {"a": 1})
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["run_summary.json"]
+
+
+def test_the_save_failpoint_dies_mid_save_and_the_next_start_recovers(tmp_path):
+    """A real SIGKILL halfway through writing checkpoint-10 (the crash drill's failpoint) in a child process."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from simpletuner.training import checkpoint as ckpt
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.AdamW(model.parameters())
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+for step in (5, 10):
+    ckpt.save_checkpoint({str(tmp_path)!r}, step, trainable=dict(model.named_parameters()), optimizer=opt,
+                         lr_scheduler=sched, generator=torch.Generator(), training_state={{"epoch": 0, "batch_in_epoch": 0}},
+                         total_limit=None)
+"""
+    env = {**os.environ, "SIMPLETUNER_FAILPOINT": "checkpoint.save:10",
+           "SIMPLETUNER_FAILPOINT_ONCE": str(tmp_path / "fired")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-10-")]
+    assert len(leftovers) == 1 and not (tmp_path / "checkpoint-10").exists()
+    path, _, state = _resume(tmp_path)
+    assert path.name == "checkpoint-5" and state["global_step"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5", "fired"]
