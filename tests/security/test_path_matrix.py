@@ -14,13 +14,27 @@ import time
 import pytest
 
 from simpletuner.config import DatasetBackend, TextEmbedsBackend, TrainConfig, load_data_backends, load_train_config
-from simpletuner.config.paths import ROOTS_ENV, PathOutsideRoots, path_fields
-from simpletuner.training.paths import check_run_paths
 from tests.server.helpers import data_backends, train_config
 
-TRAIN_FIELDS = path_fields(TrainConfig)
-DATA_FIELDS = [("d", name) for name in path_fields(DatasetBackend)] + \
-              [("te", name) for name in path_fields(TextEmbedsBackend)]
+ROOTS_ENV = "SIMPLETUNER_ALLOWED_ROOTS"
+# every path field of config.json: (kind, where a relative path is read from); the schemas must mark exactly these
+TRAIN_FIELDS = {
+    "pretrained_model_name_or_path": ("model", "workdir"),
+    "pretrained_transformer_model_name_or_path": ("model", "workdir"),
+    "pretrained_transformer_subfolder": ("subfolder", "workdir"),
+    "pretrained_vae_model_name_or_path": ("model", "workdir"),
+    "output_dir": ("dir", "workdir"),
+    "resume_from_checkpoint": ("dir", "either"),
+    "data_backend_config": ("file", "workdir"),
+    "init_lora": ("file", "workdir"),
+    "group_offload_to_disk_path": ("dir", "workdir"),
+    "user_prompt_library": ("file", "workdir"),
+    "pretrained_evaluation_model_name_or_path": ("model", "workdir"),
+    "tracker_run_name": ("subfolder", "workdir"),
+    "logging_dir": ("dir", "output_dir"),
+    "webhook_config": ("webhook", "workdir"),
+}
+DATA_FIELDS = [("d", "instance_data_dir"), ("d", "cache_dir_vae"), ("te", "cache_dir")]
 
 # trick -> value for a field read from ``base``: ``up`` climbs from that base to the sandbox's top (the working dir
 # is tmp/work; a job's output folder, from which logging_dir is read, is tmp/data/runs/job-N/output)
@@ -49,7 +63,7 @@ def _tricks_for(kind: str) -> list[str]:
     return [t for t in TRICKS if not (kind == "subfolder" and t == "symlink")]
 
 
-TRAIN_CASES = [(name, trick) for name, spec in TRAIN_FIELDS.items() for trick in _tricks_for(spec.kind)]
+TRAIN_CASES = [(name, trick) for name, (kind, _) in TRAIN_FIELDS.items() for trick in _tricks_for(kind)]
 DATA_CASES = [(entry, name, trick) for entry, name in DATA_FIELDS for trick in TRICKS]
 
 
@@ -62,7 +76,7 @@ def _errors(response) -> dict[str, str]:
 def test_train_config_path_tricks_are_refused(api, sandbox, monkeypatch, name, trick):
     monkeypatch.setenv("HOME", str(sandbox.outside))
     before = sandbox.outside_files()
-    value = _value(sandbox, trick, TRAIN_FIELDS[name].base)
+    value = _value(sandbox, trick, TRAIN_FIELDS[name][1])
     r = api.post("/api/jobs", json={"train_config": train_config(**{f"--{name}": value}),
                                     "data_backends": data_backends()})
     assert f"train_config.{name}" in _errors(r)
@@ -198,11 +212,14 @@ def _loaded(sandbox, train_values: dict, backends: list):
     return config, load_data_backends(backends, config=config)
 
 
-TRAIN_SWAPS = [n for n, s in TRAIN_FIELDS.items() if s.kind not in ("subfolder", "webhook")]
+TRAIN_SWAPS = [n for n, (kind, _) in TRAIN_FIELDS.items() if kind not in ("subfolder", "webhook")]
 
 
 @pytest.mark.parametrize("name", TRAIN_SWAPS)
 def test_a_symlink_swapped_in_after_submit_is_refused_at_open_time(api, sandbox, monkeypatch, name):
+    from simpletuner.config.paths import PathOutsideRoots
+    from simpletuner.training.paths import check_run_paths
+
     later = sandbox.work / "later"
     later.mkdir()
     (later / "x").write_text('{"cat": "a cat"}')  # a prompt library, when the field is one
@@ -224,6 +241,9 @@ def test_a_symlink_swapped_in_after_submit_is_refused_at_open_time(api, sandbox,
 
 @pytest.mark.parametrize("entry, name", DATA_FIELDS)
 def test_a_swapped_data_folder_is_refused_at_open_time(sandbox, monkeypatch, entry, name):
+    from simpletuner.config.paths import PathOutsideRoots
+    from simpletuner.training.paths import check_run_paths
+
     (sandbox.work / "later").symlink_to(sandbox.outside)
     backends = data_backends()
     next(b for b in backends if b["id"] == entry)[name] = "later/x"
@@ -236,13 +256,25 @@ def test_a_swapped_data_folder_is_refused_at_open_time(sandbox, monkeypatch, ent
 
 
 def test_without_roots_the_cli_trainer_checks_nothing(sandbox, monkeypatch):
+    from simpletuner.training.paths import check_run_paths
+
     monkeypatch.delenv(ROOTS_ENV, raising=False)
     config, backends = _loaded(sandbox, {"output_dir": str(sandbox.outside / "out")}, data_backends())
     check_run_paths(config, backends)  # the user's own machine: their own files
 
 
+def test_the_schemas_mark_exactly_these_path_fields():
+    from simpletuner.config.paths import path_fields
+
+    assert {n: (f.kind, f.base) for n, f in path_fields(TrainConfig).items()} == TRAIN_FIELDS
+    marked = [("d", n) for n in path_fields(DatasetBackend)] + [("te", n) for n in path_fields(TextEmbedsBackend)]
+    assert marked == DATA_FIELDS
+
+
 def test_every_path_like_field_is_marked():
     """A field whose name says it holds a path must be marked, or the checks above would not see it."""
+    from simpletuner.config.paths import path_fields
+
     suffixes = ("_dir", "_path", "_file", "_folder", "_or_path", "_config", "_library", "_checkpoint", "_lora")
     not_paths = {"tread_config", "data_backend_config_version"}
     for model in (TrainConfig, DatasetBackend, TextEmbedsBackend):

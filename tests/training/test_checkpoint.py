@@ -173,3 +173,14 @@ for step in (5, 10):
     path, _, state = _resume(tmp_path)
     assert path.name == "checkpoint-5" and state["global_step"] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5", "fired"]
+
+
+def test_loading_a_named_checkpoint_never_unpickles_code(tmp_path):
+    """load_checkpoint, the function every resume goes through, with a planted optimizer.pt."""
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched, torch.Generator())
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": [], "x": _RunsCode(marker)}, path / "optimizer.pt")
+    with pytest.raises(Exception, match="optimizer.pt"):
+        ckpt.load_checkpoint(path, optimizer=opt, lr_scheduler=sched, generator=torch.Generator())
+    assert not marker.exists()
