@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from simpletuner.server.app import create_app
-from simpletuner.server.auth import SESSION_COOKIE
+SESSION_COOKIE = "simpletuner_session"  # simpletuner.server.auth.SESSION_COOKIE
 from tests.server.helpers import LOOPBACK, REMOTE, job_body
 
 
