@@ -47,7 +47,8 @@ def _join(prefix: str, path: str) -> str:
 
 
 def _canon(key: str) -> str:
-    return key.lstrip("-").replace("-", "_") if key.startswith("--") else key
+    """A config key as the loader reads it (``--output-dir``, ``output-dir`` and ``output_dir`` are one key)."""
+    return str(key).lstrip("-").strip().replace("-", "_")
 
 
 def within_roots(value: str, roots: list[Path], base: Path) -> bool:
