@@ -7,13 +7,17 @@ optional fields, and case-insensitive choices (``"BF16"`` → ``"bf16"``).
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
 
 _NULL_STRINGS = frozenset({"", "none", "null"})
+# Integers past this cannot be represented exactly in JSON readers such as the web UI's JavaScript.
+MAX_EXACT_INT = 2**53 - 1
+MAX_PIXEL_EDGE = 16_384
 
 
 def _parse_number(text: str) -> int | float | None:
@@ -43,13 +47,21 @@ def _number(value: Any) -> Any:
         number = _parse_number(value)
         if number is None:
             raise ValueError(f"expected a number, got {value!r}")
-        return number
+        value = number
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {value!r}")
     return value
 
 
-# An integer that also accepts "500", "1e3" and 500.0.
-Int = Annotated[int, BeforeValidator(_int_like)]
-# An int or a float, kept as given: 1024 stays int, 0.5 stays float, "1.5" becomes 1.5.
+def _exact_int(value: int) -> int:
+    if abs(value) > MAX_EXACT_INT:
+        raise ValueError(f"{value} is out of range (at most {MAX_EXACT_INT} in size)")
+    return value
+
+
+# An integer that also accepts "500", "1e3" and 500.0; absurdly large values (2**63) are refused.
+Int = Annotated[int, BeforeValidator(_int_like), AfterValidator(_exact_int)]
+# An int or a float, kept as given: 1024 stays int, 0.5 stays float, "1.5" becomes 1.5; never inf or NaN.
 Number = Annotated[Union[int, float], BeforeValidator(_number)]
 
 
@@ -128,6 +140,8 @@ def check_resolution(resolution: float, resolution_type: str) -> str | None:
         return (
             f"{resolution!r} is not a whole number of pixels; use resolution_type 'area' for megapixels"
         )
+    elif resolution > MAX_PIXEL_EDGE:
+        return f"{resolution!r} pixels is too large (at most {MAX_PIXEL_EDGE})"
     return None
 
 
@@ -158,9 +172,10 @@ def parse_resolution_list(text: str) -> list[tuple[int, int]]:
 
 
 class StrictModel(BaseModel):
-    """Base for config entries: unknown keys are errors, SimpleTuner's value spellings are accepted."""
+    """Base for config entries: unknown keys are errors, SimpleTuner's value spellings are accepted, and no
+    number field takes inf or NaN."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

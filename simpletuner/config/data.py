@@ -52,8 +52,9 @@ UNSUPPORTED_DATASET_KEYS = frozenset(
 )
 
 
-def _field(default: Any, description: str, **kwargs: Any) -> Any:
-    return Field(default, description=description, json_schema_extra={"group": "data"}, **kwargs)
+def _field(default: Any, description: str, path: str | None = None, **kwargs: Any) -> Any:
+    extra = {"group": "data", **({"path": path} if path else {})}  # path: see simpletuner.config.paths
+    return Field(default, description=description, json_schema_extra=extra, **kwargs)
 
 
 CLIP_MODES = ("single_beginning", "single_middle", "multiple_overlapping")
@@ -107,7 +108,8 @@ class DatasetBackend(StrictModel):
     dataset_type: Literal["image", "video", "eval"] = _field(
         "image", "'image' or 'video' for training data, 'eval' for eval loss"
     )
-    instance_data_dir: str = _field(..., "folder of images or videos (searched recursively)", min_length=1)
+    instance_data_dir: str = _field(..., "folder of images or videos (searched recursively)", path="dir",
+                                    min_length=1)
     resolution: Optional[Number] = _field(
         None, "target size: pixels, or megapixels for resolution_type 'area'; empty = the config's resolution"
     )
@@ -132,9 +134,9 @@ class DatasetBackend(StrictModel):
         "filename", "captions from the file name, a .txt next to the image, or instance_prompt"
     )
     instance_prompt: Optional[str] = _field(None, "caption of every image (caption_strategy 'instanceprompt')")
-    repeats: Int = _field(0, "extra times each image is seen per epoch (0 = once)", ge=0)
+    repeats: Int = _field(0, "extra times each image is seen per epoch (0 = once)", ge=0, le=1_000_000)
     is_regularisation_data: bool = _field(False, "regularisation data (trained against the base model)")
-    cache_dir_vae: Optional[str] = _field(None, "latent cache folder; default cache/vae/<id>")
+    cache_dir_vae: Optional[str] = _field(None, "latent cache folder; default cache/vae/<id>", path="dir")
     disabled: bool = _field(False, "leave this dataset out")
     probability: float = _field(1.0, "relative chance of drawing a batch from this dataset", gt=0)
     video: Optional[VideoOptions] = _field(
@@ -174,8 +176,8 @@ class TextEmbedsBackend(StrictModel):
     dataset_type: Literal["text_embeds"] = _field("text_embeds", "always 'text_embeds'")
     type: Literal["local"] = _field("local", "storage backend; only 'local' is supported")
     default: bool = _field(False, "the text-embeds backend used by all datasets")
-    cache_dir: Optional[str] = _field(None, "embedding cache folder; default cache/text/<id>")
-    write_batch_size: Int = _field(128, "embeddings written per batch", ge=1)
+    cache_dir: Optional[str] = _field(None, "embedding cache folder; default cache/text/<id>", path="dir")
+    write_batch_size: Int = _field(128, "embeddings written per batch", ge=1, le=65_536)
     disabled: bool = _field(False, "leave this backend out")
 
     @model_validator(mode="after")

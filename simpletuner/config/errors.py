@@ -95,6 +95,8 @@ def _message(err: dict[str, Any]) -> str:
         return f"expected an integer, got {value!r}"
     if kind in ("float_parsing", "float_type"):
         return f"expected a number, got {value!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {value!r}"
     if kind in ("bool_parsing", "bool_type"):
         return f"expected true or false, got {value!r}"
     if kind in ("string_type",):

@@ -42,6 +42,10 @@ GROUPS: dict[str, str] = {
     "logging": "Logging",
     "data": "Data",
 }
+# Upper bounds that no real run comes near; they turn typos such as max_train_steps=2**63 into clear errors.
+MAX_STEPS = 1_000_000_000
+MAX_BATCH = 65_536
+MAX_SEED = 2**32 - 1  # numpy's seed range
 
 Precision = Literal["no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"]
 
@@ -203,33 +207,40 @@ class TrainConfig(StrictModel):
         "model",
         "base model: a Hugging Face repo id or a local diffusers folder. Defaults to the flavour's weights "
         "(none for flavour 'tiny', whose checkpoint the trainer generates).",
+        extra={"path": "model"},
     )
     pretrained_transformer_model_name_or_path: Optional[str] = _field(
-        None, "model", "load the transformer from here instead of the base model"
+        None, "model", "load the transformer from here instead of the base model", extra={"path": "model"}
     )
     pretrained_transformer_subfolder: Optional[str] = _field(
         None, "model", "subfolder of the transformer (or UNet) weights; empty = the family's own ('transformer', "
-                       "'unet'), 'none' = the path itself"
+                       "'unet'), 'none' = the path itself", extra={"path": "subfolder"}
     )
-    pretrained_vae_model_name_or_path: Optional[str] = _field(None, "model", "load the VAE from here instead")
+    pretrained_vae_model_name_or_path: Optional[str] = _field(
+        None, "model", "load the VAE from here instead", extra={"path": "model"}
+    )
     revision: Optional[str] = _field(None, "model", "git revision of the base model on the Hub")
-    variant: Optional[str] = _field(None, "model", "weights variant, e.g. 'fp16'")
+    variant: Optional[str] = _field(None, "model", "weights variant, e.g. 'fp16'", pattern=r"^[A-Za-z0-9_-]*$")
 
     # training
-    output_dir: str = _field("output/models", "training", "where checkpoints and the final model are written")
-    train_batch_size: Int = _field(1, "training", "samples per device per step", ge=1)
-    gradient_accumulation_steps: Int = _field(1, "training", "micro-batches summed into one optimizer step", ge=1)
+    output_dir: str = _field(
+        "output/models", "training", "where checkpoints and the final model are written", extra={"path": "dir"}
+    )
+    train_batch_size: Int = _field(1, "training", "samples per device per step", ge=1, le=MAX_BATCH)
+    gradient_accumulation_steps: Int = _field(
+        1, "training", "micro-batches summed into one optimizer step", ge=1, le=MAX_BATCH
+    )
     max_train_steps: Optional[Int] = _field(
-        None, "training", "optimizer steps to train; 0 or empty = use num_train_epochs", ge=0
+        None, "training", "optimizer steps to train; 0 or empty = use num_train_epochs", ge=0, le=MAX_STEPS
     )
     num_train_epochs: Optional[Int] = _field(
-        1, "training", "passes over the data; used when max_train_steps is 0 or empty", ge=0
+        1, "training", "passes over the data; used when max_train_steps is 0 or empty", ge=0, le=MAX_STEPS
     )
     learning_rate: float = _field(1e-4, "training", "peak learning rate", gt=0)
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = _field("constant", "training", "learning-rate schedule")
-    lr_warmup_steps: Int = _field(0, "training", "steps of linear warmup", ge=0)
+    lr_warmup_steps: Int = _field(0, "training", "steps of linear warmup", ge=0, le=MAX_STEPS)
     optimizer: Literal["adamw", "adamw_bf16"] = _field(
         "adamw", "training", "'adamw' (torch AdamW) or 'adamw_bf16' (AdamW with stochastic rounding for bf16 weights)"
     )
@@ -238,12 +249,20 @@ class TrainConfig(StrictModel):
     adam_weight_decay: float = _field(1e-2, "training", "AdamW weight decay", ge=0)
     adam_epsilon: float = _field(1e-8, "training", "AdamW epsilon", gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = _field("bf16", "training", "autocast precision")
-    seed: Optional[Int] = _field(None, "training", "random seed; empty = not seeded")
+    seed: Optional[Int] = _field(None, "training", "random seed; empty = not seeded", ge=0, le=MAX_SEED)
     gradient_checkpointing: bool = _field(False, "memory", "recompute activations in backward to save memory")
     gradient_checkpointing_interval: Optional[Int] = _field(
         None, "memory", "checkpoint only every n-th block (needs gradient_checkpointing)", ge=1
     )
     max_grad_norm: float = _field(2.0, "training", "clip gradients to this norm; 0 disables clipping", ge=0)
+    max_nan_loss_steps: Int = _field(
+        0,
+        "training",
+        "steps in a row whose loss is NaN or inf that are skipped (no weight update) before the run stops with "
+        "a failure; 0 = stop at the first",
+        ge=0,
+        le=MAX_STEPS,
+    )
     train_text_encoder: bool = _field(False, "training", "training the text encoders is not supported")
 
     # flow matching
@@ -277,18 +296,25 @@ class TrainConfig(StrictModel):
 
     # checkpoints
     checkpointing_steps: Optional[Int] = _field(
-        500, "training", "save a checkpoint every n steps; empty = only at the end", ge=1
+        500, "training", "save a checkpoint every n steps; empty = only at the end", ge=1, le=MAX_STEPS
     )
     checkpoints_total_limit: Optional[Int] = _field(
         None, "training", "keep at most this many checkpoints; empty = keep all", ge=1
     )
     resume_from_checkpoint: Optional[str] = _field(
-        None, "training", "'latest', a checkpoint folder, or empty to start fresh"
+        None,
+        "training",
+        "'latest', a checkpoint folder (relative: from the working directory, else from output_dir), or empty to "
+        "start fresh",
+        extra={"path": "dir", "path_base": "either"},
     )
 
     # data
     data_backend_config: Optional[str] = _field(
-        None, "data", "path of multidatabackend.json (relative paths are from the working directory)"
+        None,
+        "data",
+        "path of multidatabackend.json (relative paths are from the working directory)",
+        extra={"path": "file"},
     )
     resolution: Number = _field(1024, "data", "default dataset resolution: pixels, or megapixels for 'area'")
     resolution_type: Literal["pixel", "area", "pixel_area"] = _field(
@@ -300,7 +326,7 @@ class TrainConfig(StrictModel):
     caption_dropout_probability: float = _field(
         0.0, "data", "chance of training a sample with an empty caption", ge=0, le=1
     )
-    vae_batch_size: Int = _field(4, "data", "images per VAE encode while caching latents", ge=1)
+    vae_batch_size: Int = _field(4, "data", "images per VAE encode while caching latents", ge=1, le=MAX_BATCH)
 
     # LoRA
     lora_rank: Int = _field(16, "lora", "LoRA rank", ge=1)
@@ -319,7 +345,9 @@ class TrainConfig(StrictModel):
         "all+ffs, tiny, nano); empty = the family's default. SimpleTuner: flux_lora_target",
         extra={"enum": all_lora_targets()},
     )
-    init_lora: Optional[str] = _field(None, "lora", "start from an existing LoRA .safetensors file")
+    init_lora: Optional[str] = _field(
+        None, "lora", "start from an existing LoRA .safetensors file", extra={"path": "file"}
+    )
 
     # memory
     base_model_precision: Precision = _field("no_change", "memory", "quantize the base model")
@@ -337,7 +365,7 @@ class TrainConfig(StrictModel):
     group_offload_blocks_per_group: Int = _field(1, "memory", "blocks moved together (block_level)", ge=1)
     group_offload_use_stream: bool = _field(False, "memory", "overlap transfers with compute on a CUDA stream")
     group_offload_to_disk_path: Optional[str] = _field(
-        None, "memory", "offload to files in this folder (not supported for training)"
+        None, "memory", "offload to files in this folder (not supported for training)", extra={"path": "dir"}
     )
     enable_model_cpu_offload: bool = _field(False, "memory", "keep idle models on the CPU")
     attention_mechanism: Literal["diffusers", "sdpa", "xformers", "flash-attn"] = _field(
@@ -351,7 +379,9 @@ class TrainConfig(StrictModel):
     )
 
     # validation / evaluation
-    validation_steps: Optional[Int] = _field(None, "validation", "generate validation images every n steps", ge=1)
+    validation_steps: Optional[Int] = _field(
+        None, "validation", "generate validation images every n steps", ge=1, le=MAX_STEPS
+    )
     validation_on_startup: bool = _field(False, "validation", "also validate before the first step")
     validation_prompt: Optional[str] = _field(None, "validation", "prompt for validation images")
     validation_negative_prompt: Optional[str] = _field(None, "validation", "negative prompt (real CFG only)")
@@ -362,10 +392,12 @@ class TrainConfig(StrictModel):
     validation_guidance_real: float = _field(
         1.0, "validation", "real classifier-free guidance scale (1 = off)", ge=1
     )
-    validation_num_inference_steps: Int = _field(20, "validation", "denoising steps per validation image", ge=1)
-    validation_seed: Optional[Int] = _field(None, "validation", "seed for validation images")
+    validation_num_inference_steps: Int = _field(
+        20, "validation", "denoising steps per validation image", ge=1, le=10_000
+    )
+    validation_seed: Optional[Int] = _field(None, "validation", "seed for validation images", ge=0, le=MAX_SEED)
     user_prompt_library: Optional[str] = _field(
-        None, "validation", "JSON file of {name: prompt} used as extra validation prompts"
+        None, "validation", "JSON file of {name: prompt} used as extra validation prompts", extra={"path": "file"}
     )
     validation_num_video_frames: Optional[Int] = _field(
         None, "validation", "frames per validation video (video families); empty = the family's default", ge=1
@@ -377,19 +409,32 @@ class TrainConfig(StrictModel):
     validation_preview_steps: Int = _field(1, "validation", "decode a preview every n denoising steps", ge=1)
     evaluation_type: Literal["none", "clip"] = _field("none", "validation", "score validation images ('clip')")
     pretrained_evaluation_model_name_or_path: str = _field(
-        "openai/clip-vit-large-patch14", "validation", "CLIP model used for evaluation_type 'clip'"
+        "openai/clip-vit-large-patch14",
+        "validation",
+        "CLIP model used for evaluation_type 'clip'",
+        extra={"path": "model"},
     )
-    eval_steps_interval: Optional[Int] = _field(None, "validation", "compute evaluation loss every n steps", ge=1)
+    eval_steps_interval: Optional[Int] = _field(
+        None, "validation", "compute evaluation loss every n steps", ge=1, le=MAX_STEPS
+    )
 
     # logging
     report_to: Literal["none", "wandb", "tensorboard", "all"] = _field("none", "logging", "experiment tracker")
     tracker_project_name: str = _field("simpletuner", "logging", "tracker project name")
-    tracker_run_name: Optional[str] = _field(None, "logging", "tracker run name")
-    logging_dir: str = _field("logs", "logging", "folder for tracker logs (under output_dir)")
+    tracker_run_name: Optional[str] = _field(
+        None, "logging", "tracker run name (also a folder name under logging_dir)", extra={"path": "subfolder"}
+    )
+    logging_dir: str = _field(
+        "logs",
+        "logging",
+        "folder for tracker logs (under output_dir)",
+        extra={"path": "dir", "path_base": "output_dir"},
+    )
     webhook_config: Optional[list[WebhookConfig]] = _field(
         None,
         "logging",
         "webhook target(s): an object or list of {webhook_type, callback_url, log_level, message_prefix}",
+        extra={"path": "webhook"},
     )
 
     # ---- field-level parsing ----

@@ -2,13 +2,16 @@
 
 A latent's key hashes (file path, size, mtime, bucket, resize, crop, VAE identity); a text embedding's key hashes
 (caption, encoder identity). A changed image or setting therefore gets a new key and only it is re-encoded, and a
-warm cache lets training run without loading the VAE or the text encoders at all.
+warm cache lets training run without loading the VAE or the text encoders at all. A damaged entry (cut short by a
+crash, a bad header) is found when the cache is filled, reported by name and encoded again; one that goes bad
+while training runs stops the run with an error naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,7 +20,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from simpletuner.data.discovery import Sample, load_pixels
+from simpletuner.config import paths
+from simpletuner.config.files import safetensors_intact
+from simpletuner.data.discovery import DatasetError, Sample, load_pixels
+
+log = logging.getLogger("simpletuner.cache")
+
+
+class CacheEntryDamaged(DatasetError):
+    """A cache file that does not read back (names the file); the next start encodes it again."""
 
 
 def latent_key(sample: Sample, vae_identity: str) -> str:
@@ -34,6 +45,7 @@ def text_key(caption: str, text_identity: str) -> str:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    paths.guard_open("cache", path.parent)  # a server's job never writes outside its roots
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
     os.close(fd)
     try:
@@ -54,10 +66,23 @@ class TensorCache:
         return self.folder / key[:2] / f"{key}.safetensors"
 
     def has(self, key: str) -> bool:
-        return self.path(key).is_file()
+        """Cached and whole; a damaged entry is removed (with a warning naming it), so it is encoded again."""
+        path = self.path(key)
+        if not path.is_file():
+            return False
+        if safetensors_intact(path):
+            return True
+        log.warning("%s: damaged cache entry; encoding it again", path)
+        path.unlink(missing_ok=True)
+        return False
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
-        return load_file(self.path(key))
+        path = self.path(key)
+        try:
+            return load_file(path)
+        except Exception as exc:  # safetensors' own error type, OSError, ...
+            raise CacheEntryDamaged(f"{path}: cache entry cannot be read ({exc}); it is encoded again when "
+                                    "the run is started again (Retry)") from None
 
     def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         _atomic_save(tensors, self.path(key))

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageOps
+
+from simpletuner.config import paths
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,12 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
     video = temporal_compression is not None
     wanted = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in wanted and p.is_file())
+    roots = paths.roots_from_env()
     for path in files:
+        if roots is not None and not all(paths.within(os.path.realpath(p), roots)
+                                         for p in (path, path.with_suffix(".txt"))):
+            result.skipped.append((str(path), "it or its caption file links outside the allowed roots"))
+            continue
         is_video = path.suffix.lower() in VIDEO_EXTENSIONS
         try:
             if is_video:

@@ -10,13 +10,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from simpletuner import __version__
 
 from .auth import require_auth
 from .broker import EventBroker
-from .db import Database
+from .db import Database, DatabaseDamaged
+from .guards import RequestGuard
 from .queue import JobManager
 from .settings import ServerSettings
 from .validation import InvalidConfig
@@ -25,9 +27,10 @@ logger = logging.getLogger("simpletuner.server")
 
 DESCRIPTION = """Queue and watch SimpleTuner training jobs.
 
-Loopback clients need no token unless the server runs with `--require-token`; everyone else sends
-`Authorization: Bearer <token>`. Trainer webhooks (`POST /api/jobs/{id}/events`) are signed with the job's
-HMAC secret instead."""
+Loopback clients (that also name a loopback host) need no token unless the server runs with `--require-token`;
+everyone else sends `Authorization: Bearer <token>` (a token in the URL is refused). State-changing requests from
+another origin are refused. Trainer webhooks (`POST /api/jobs/{id}/events`) are signed with the job's HMAC secret
+instead."""
 
 
 def _loc_to_path(loc) -> str:
@@ -48,8 +51,12 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     settings = settings or ServerSettings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    db = Database(settings.resolved_db_url())
-    db.create_all()
+    db = Database(settings.resolved_db_url(), busy_timeout=settings.db_busy_timeout)
+    try:
+        db.check_integrity()  # a damaged file is named now, not found by a request later
+        db.create_all()
+    except DBAPIError as exc:
+        raise DatabaseDamaged(f"database {settings.resolved_db_url()} cannot be used: {exc.orig}") from None
     token, generated = settings.resolve_token()
     broker = EventBroker()
     manager = JobManager(settings, db, broker)
@@ -70,6 +77,18 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.state.manager = manager
     app.state.token = token
     app.state.token_generated = generated
+    app.state.db_error = None  # the last database failure a request met (the health check confirms or clears it)
+
+    @app.exception_handler(DBAPIError)
+    async def _database_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        message = str(exc.orig) if exc.orig is not None else str(exc)
+        if isinstance(exc, OperationalError) and "locked" in message:
+            return JSONResponse(status_code=503, headers={"Retry-After": "2"},
+                                content={"detail": "the database is busy (locked by another writer); retry shortly"})
+        logger.error("database error on %s %s: %s", request.method, request.url.path, message)
+        app.state.db_error = message
+        return JSONResponse(status_code=503, headers={"Retry-After": "30"},
+                            content={"detail": f"database error: {message}"})
 
     @app.exception_handler(InvalidConfig)
     async def _invalid_config(_request: Request, exc: InvalidConfig) -> JSONResponse:
@@ -102,4 +121,5 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(schema.router, dependencies=auth)
     app.include_router(ui.router)  # the web UI's pages, "/" included
     app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
+    app.add_middleware(RequestGuard, settings=settings)
     return app

@@ -20,14 +20,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="any SQLAlchemy URL (default: sqlite file in the data dir)")
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="jobs run at once (default: one per detected GPU, 1 on CPU)")
-    parser.add_argument("--token", default=None,
-                        help=f"API token (default ${TOKEN_ENV}, else generated into DATA_DIR/api_token)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help=f"read the API token from this file (default ${TOKEN_ENV}, else generated into "
+                             "DATA_DIR/api_token)")
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: ps would show it
     parser.add_argument("--require-token", action="store_true",
                         help="ask loopback clients for the token too")
     parser.add_argument("--allowed-root", action="append", type=Path, default=None, dest="allowed_roots",
                         help="folder configs may read/write under (repeatable; default: data dir + working dir)")
     parser.add_argument("--public-url", default=None,
-                        help="base URL jobs post their webhooks to (default http://127.0.0.1:PORT)")
+                        help="base URL jobs post their webhooks to (default http://127.0.0.1:PORT); its origin may "
+                             "also send state-changing requests")
+    parser.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts", metavar="NAME",
+                        help="a host name (besides localhost/127.0.0.1/[::1]) that loopback clients may use "
+                             "without a token (repeatable)")
+    parser.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins", metavar="ORIGIN",
+                        help="another origin (scheme://host:port) allowed to send state-changing requests, e.g. "
+                             "a reverse proxy's (repeatable)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                        help="largest request body accepted (default 8 MiB; trainer webhooks: 32 MiB)")
     parser.add_argument("--launcher", choices=("accelerate", "python"), default="accelerate",
                         help="how jobs start: accelerate launch (default) or plain python for one process")
     parser.add_argument("--cancel-grace", type=float, default=15.0,
@@ -39,14 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    if args.token is not None:
+        raise SystemExit(f"error: --token puts the token on the command line, where `ps` shows it to every user "
+                         f"of this machine; set ${TOKEN_ENV} or use --token-file FILE instead")
     return ServerSettings(
         host=args.host,
         port=args.port,
         data_dir=args.data_dir or default_data_dir(),
         db_url=args.db_url,
         max_concurrent=args.max_concurrent,
-        token=args.token,
+        token_file=args.token_file,
         require_token=args.require_token,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
+        max_request_bytes=args.max_request_bytes,
         allowed_roots=args.allowed_roots,
         public_url=args.public_url,
         launcher=args.launcher,
@@ -77,7 +94,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # an unreadable token file, a damaged database
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     url = f"http://{settings.host if ':' not in settings.host else '[' + settings.host + ']'}:{settings.port}"
     print(f"SimpleTuner server on {url}  (API docs {url}/docs)", file=sys.stderr)
     print(f"  data dir {settings.data_dir}; database {settings.resolved_db_url()}; "

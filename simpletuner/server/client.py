@@ -3,8 +3,10 @@
     simpletuner jobs submit --config config/config.json [--wait]
     simpletuner jobs submit --config-name tiny-flux --set max_train_steps=10
     simpletuner jobs list | show ID | cancel ID | logs ID [--follow] | watch ID
+    simpletuner jobs retry ID [--start-over] [--wait]
 
-``--server`` (or $SIMPLETUNER_SERVER, default http://127.0.0.1:8001) and ``--token`` (or $SIMPLETUNER_API_TOKEN).
+``--server`` (or $SIMPLETUNER_SERVER, default http://127.0.0.1:8001); the token from $SIMPLETUNER_API_TOKEN or
+``--token-file`` (never on the command line, where ``ps`` shows it).
 """
 
 from __future__ import annotations
@@ -121,13 +123,15 @@ def parse_sse(lines: Iterator[str]) -> Iterator[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("SIMPLETUNER_SERVER", DEFAULT_SERVER),
                         help=f"server URL (default $SIMPLETUNER_SERVER or {DEFAULT_SERVER})")
-    parser.add_argument("--token", default=os.environ.get("SIMPLETUNER_API_TOKEN"),
-                        help="API token (default $SIMPLETUNER_API_TOKEN)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="read the API token from this file (default $SIMPLETUNER_API_TOKEN)")
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: ps would show it
     parser.add_argument("--json", action="store_true", help="print raw JSON")
     # The same options after the action (``jobs list --token T``); SUPPRESS keeps the values given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--server", default=argparse.SUPPRESS, help="server URL")
-    common.add_argument("--token", default=argparse.SUPPRESS, help="API token")
+    common.add_argument("--token-file", type=Path, default=argparse.SUPPRESS, help="read the API token from this file")
+    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print raw JSON")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
@@ -146,6 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--retry-on-restart", action="store_true",
                    help="re-queue instead of failing if the server restarts mid-run")
+    p.add_argument("--max-retries", type=int, default=0,
+                   help="retry automatically after a trainer crash, resuming from the newest checkpoint (default 0)")
     p.add_argument("--wait", action="store_true", help="follow events until the job ends; exit 0 if it succeeded")
 
     p = sub.add_parser("list", parents=[common], help="list jobs")
@@ -155,6 +161,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in (("show", "show one job"), ("cancel", "cancel a job"), ("watch", "follow a job's events")):
         p = sub.add_parser(name, parents=[common], help=help_text)
         p.add_argument("job_id", type=int)
+
+    p = sub.add_parser("retry", parents=[common],
+                       help="retry a finished job: it continues from its newest checkpoint (same run dir)")
+    p.add_argument("job_id", type=int)
+    p.add_argument("--start-over", action="store_true",
+                   help="start from step 0 instead (the previous output is kept aside in the run dir)")
+    p.add_argument("--wait", action="store_true", help="follow events until the job ends; exit 0 if it succeeded")
 
     p = sub.add_parser("logs", parents=[common], help="print a job's log")
     p.add_argument("job_id", type=int)
@@ -186,7 +199,7 @@ def _read_json(path: Path, what: str) -> Any:
 
 def build_submit_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"name": args.name, "priority": args.priority, "num_processes": args.num_processes,
-                            "retry_on_restart": args.retry_on_restart}
+                            "retry_on_restart": args.retry_on_restart, "max_retries": args.max_retries}
     overrides = _parse_set(args.set)
     if args.config_name:
         body["config_name"] = args.config_name
@@ -198,31 +211,46 @@ def build_submit_body(args: argparse.Namespace) -> dict:
         cfg = _read_json(args.config, "--config")
         if not isinstance(cfg, dict):
             raise ClientError(f"--config: {args.config} must hold a JSON object")
-        cfg.update(overrides)
+        merged = dict(cfg)  # the config as --set leaves it (any spelling of a key is replaced)
+        for key, value in overrides.items():
+            _drop_key(merged, _canon(key))
+            merged[key] = value
         backends_path = args.data_backends
         if backends_path is None:
-            named = cfg.get("data_backend_config") or cfg.get("--data_backend_config")
+            named = _value(merged, "data_backend_config")
             if isinstance(named, str) and Path(named).exists():
                 backends_path = Path(named)
         if backends_path is not None:
             body["data_backends"] = _read_json(backends_path, "--data-backends")
-            _drop_key(cfg, "data_backend_config")  # sent inline; a path on this machine means nothing there
+            for where in (cfg, overrides):  # sent inline; a path on this machine means nothing there
+                _drop_key(where, "data_backend_config")
         library = args.prompt_library
-        named = cfg.get("user_prompt_library") or cfg.get("--user_prompt_library")
+        named = _value(merged, "user_prompt_library")
         if library is None and isinstance(named, str) and Path(named).exists():
             library = Path(named)
         if library is not None:
             body["prompt_library"] = _read_json(library, "--prompt-library")
-            _drop_key(cfg, "user_prompt_library")
+            for where in (cfg, overrides):
+                _drop_key(where, "user_prompt_library")
         body["train_config"] = cfg
+        if overrides:  # applied by the server after every spelling in the file, as on the command line
+            body["overrides"] = overrides
     if args.prompt_library is not None and "prompt_library" not in body:
         body["prompt_library"] = _read_json(args.prompt_library, "--prompt-library")
     return body
 
 
+def _canon(key: str) -> str:
+    return key.lstrip("-").replace("-", "_")
+
+
+def _value(cfg: dict, key: str) -> Any:
+    return next((v for k, v in cfg.items() if _canon(k) == key), None)
+
+
 def _drop_key(cfg: dict, key: str) -> None:
     for k in list(cfg):
-        if k.lstrip("-").replace("-", "_") == key:
+        if _canon(k) == key:
             del cfg[k]
 
 
@@ -279,8 +307,26 @@ def _follow(client: Client, job_id: int, as_json: bool) -> int:
     return 0 if job["status"] == "succeeded" else 1
 
 
+def resolve_token(args: argparse.Namespace) -> str | None:
+    """$SIMPLETUNER_API_TOKEN or --token-file; --token is refused (ps shows command lines to every user)."""
+    if getattr(args, "token", None) is not None:
+        raise ClientError("--token puts the token on the command line, where `ps` shows it to every user of this "
+                          "machine; set $SIMPLETUNER_API_TOKEN or use --token-file FILE instead")
+    if getattr(args, "token_file", None) is not None:
+        try:
+            return Path(args.token_file).expanduser().read_text().strip() or None
+        except OSError as exc:
+            raise ClientError(f"--token-file {args.token_file}: cannot be read ({exc.strerror or exc})") from None
+    return os.environ.get("SIMPLETUNER_API_TOKEN") or None
+
+
 def run(args: argparse.Namespace) -> int:
-    client = Client(args.server, args.token)
+    try:
+        token = resolve_token(args)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    client = Client(args.server, token)
     try:
         return _run(client, args)
     except ClientError as exc:
@@ -342,6 +388,13 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps(job, indent=2) if args.json else
               f"job {job['id']} {job['status']}" + (" (stopping)" if job.get("cancel_requested") else ""))
         return 0
+    if args.action == "retry":
+        job = client.post(f"/api/jobs/{args.job_id}/retry", {"start_over": args.start_over})
+        if args.json:
+            print(json.dumps(job, indent=2))
+        else:
+            print(f"job {job['id']} {job['status']}: {job.get('reason') or ''}".rstrip(": "))
+        return _follow(client, job["id"], args.json) if args.wait else 0
     if args.action == "logs":
         text, offset = client.log(args.job_id, tail=args.tail)
         sys.stdout.write(text)

@@ -8,6 +8,9 @@ from typing import Any, Iterator
 
 from sqlalchemy import (
     JSON,
+    inspect,
+    false,
+    text,
     Boolean,
     Float,
     ForeignKey,
@@ -20,10 +23,15 @@ from sqlalchemy import (
     event,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
+
+
+class DatabaseDamaged(ValueError):
+    """The database file fails its integrity check."""
 
 
 def now() -> float:
@@ -75,6 +83,11 @@ class JobRow(Base):
     prompt_library: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     num_processes: Mapped[int] = mapped_column(Integer, default=1)
     retry_on_restart: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Automatic retries after a trainer crash (each resumes from the newest checkpoint), and how many were used.
+    max_retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The next attempt starts over (the previous output is kept aside) instead of resuming.
+    start_over: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     submitted_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -120,20 +133,51 @@ class JobEventRow(Base):
 class Database:
     """Engine + two session factories: plain (reads) and write (``BEGIN IMMEDIATE`` on SQLite)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, busy_timeout: float = 30.0):
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         kwargs: dict[str, Any] = {}
         if self.is_sqlite:
-            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": busy_timeout}
         self.engine: Engine = create_engine(url, **kwargs)
         if self.is_sqlite:
-            _configure_sqlite(self.engine)
+            _configure_sqlite(self.engine, busy_timeout)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(self.engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False)
 
     def create_all(self) -> None:
+        """Create missing tables and add columns that newer versions added (a database is never rebuilt)."""
         Base.metadata.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        inspector = inspect(self.engine)
+        with self.engine.begin() as conn:
+            for table in Base.metadata.sorted_tables:
+                have = {c["name"] for c in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if column.name in have:
+                        continue
+                    kind = column.type.compile(dialect=self.engine.dialect)
+                    default = column.server_default.arg if column.server_default is not None else None
+                    if default is not None and not isinstance(default, str):
+                        default = default.compile(dialect=self.engine.dialect)
+                    clause = f" NOT NULL DEFAULT {default}" if default is not None else ""
+                    conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}{clause}"))
+
+    def check_integrity(self) -> None:
+        """DatabaseDamaged naming the file when SQLite's quick_check finds a damaged page (start-up)."""
+        if not self.is_sqlite:
+            return
+        try:
+            with self.engine.connect() as conn:
+                rows = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check").fetchall()]
+        except DBAPIError as exc:
+            rows = [str(exc.orig)]
+        if rows != ["ok"]:
+            raise DatabaseDamaged(
+                f"database {self.engine.url.database} is damaged ({'; '.join(rows[:3])}). Restore it from a backup, "
+                "or recover what is readable: sqlite3 OLD.db .recover | sqlite3 NEW.db")
 
     @contextmanager
     def session(self, write: bool = False) -> Iterator[Session]:
@@ -152,8 +196,14 @@ class Database:
     def dispose(self) -> None:
         self.engine.dispose()
 
+    def probe(self) -> None:
+        """Read a little of every table (raises the driver's error when the database is unusable)."""
+        with self.engine.connect() as conn:
+            for table in Base.metadata.sorted_tables:
+                conn.execute(text(f"SELECT count(*) FROM {table.name}")).scalar()
 
-def _configure_sqlite(engine: Engine) -> None:
+
+def _configure_sqlite(engine: Engine, busy_timeout: float) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):  # pragma: no cover - exercised by every test
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
@@ -161,7 +211,7 @@ def _configure_sqlite(engine: Engine) -> None:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
         cur.close()
 
     @event.listens_for(engine, "begin")

@@ -34,9 +34,12 @@ def invalid_response(errors: list[FieldProblem], detail: str = "invalid config")
     )
 
 
-def check(request: Request, train_config, data_backends, prompt_library):
+def check(request: Request, train_config, data_backends, prompt_library, overrides=None):
     """``validation.check_config`` with this server's allowed roots; raises InvalidConfig (-> 422)."""
     from .validation import check_config
 
     s = settings(request)
-    return check_config(train_config, data_backends, prompt_library, s.resolved_allowed_roots(), s.workdir)
+    # a job's output folder is RUN_DIR/output; paths relative to it (logging_dir) are judged from a stand-in
+    output_base = s.data_dir / "runs" / "job-0" / "output"
+    return check_config(train_config, data_backends, prompt_library, s.resolved_allowed_roots(), s.workdir,
+                        overrides=overrides, output_base=output_base)

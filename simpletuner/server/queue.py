@@ -24,15 +24,18 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
+from simpletuner.config import paths
+
+from . import rundir
 from .broker import EventBroker
-from .db import Database, JobEventRow, JobRow, now
+from .db import FINISHED, Database, JobEventRow, JobRow, now
 from .settings import ServerSettings, hostname
 from .validation import _canon, absolutize_backends
 
 logger = logging.getLogger("simpletuner.server.queue")
 
 SERVER_RESTARTED = "server restarted"
-LORA_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+LORA_NAMES = rundir.LORA_NAMES
 
 
 @dataclass
@@ -56,6 +59,8 @@ class LaunchPlan:
     cwd: Path
     run_dir: Path
     devices: list[str] = field(default_factory=list)
+    resume_step: int | None = None  # a retry continues from this checkpoint
+    archived: str | None = None  # a retry that starts over moved the previous output here
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -148,6 +153,10 @@ def read_log_tail(path: Path | str | None, lines: int = 60, max_bytes: int = 64 
 def _exit_code(returncode: int) -> int:
     """Shell convention: a process killed by signal N exits with 128+N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+class RetryConflict(Exception):
+    """A retry of a job that is not finished."""
 
 
 class JobManager:
@@ -279,6 +288,65 @@ class JobManager:
         self.wake()
         return job
 
+    def retry(self, job_id: int, *, start_over: bool = False) -> JobRow | None:
+        """Put a finished job back in the queue as its next attempt: it continues the same run from its newest
+        valid checkpoint (same run dir), or with ``start_over`` from step 0 (the previous output kept aside).
+        None when there is no such job; RetryConflict when it is not finished."""
+        with self.db.session(write=True) as s:
+            job = s.get(JobRow, job_id)
+            if job is None:
+                return None
+            if job.status not in FINISHED:
+                raise RetryConflict(f"job {job_id} is {job.status}; only a finished job can be retried")
+            newest = rundir.newest_checkpoint(rundir.output_of(job.run_dir)) if job.run_dir else None
+            if start_over:
+                reason = "retry requested: starts over from step 0"
+            elif newest is not None:
+                reason = f"retry requested: resumes from step {newest[0]}"
+            else:
+                reason = "retry requested: no checkpoint yet, starts from step 0"
+            res = s.execute(
+                update(JobRow).where(JobRow.id == job_id, JobRow.status == job.status)
+                .values(status="queued", reason=reason, start_over=start_over, retries=0, finished_at=None,
+                        exit_code=None, cancel_requested=False, pid=None, pgid=None, owner=None,
+                        owner_host=None, owner_pid=None, started_at=None, webhook_secret=None)
+            )
+            if res.rowcount != 1:
+                raise RetryConflict(f"job {job_id} changed meanwhile; try again")
+            s.refresh(job)
+            self.job_event(s, job, start_over=start_over,
+                           resumes_from_step=None if start_over or newest is None else newest[0])
+        self.broker.notify()
+        self.wake()
+        return job
+
+    def _retry_after_crash(self, job_id: int, reason: str, exit_code: int | None, results: dict) -> bool:
+        """Re-queue a job whose trainer crashed, while it has automatic retries left (``max_retries``); the next
+        attempt resumes from the newest checkpoint. True when it was re-queued."""
+        with self.db.session(write=True) as s:
+            job = s.get(JobRow, job_id)
+            if job is None or job.cancel_requested or (job.retries or 0) >= (job.max_retries or 0):
+                return False
+            newest = rundir.newest_checkpoint(rundir.output_of(job.run_dir)) if job.run_dir else None
+            where = f"resumes from step {newest[0]}" if newest else "starts from step 0 (no checkpoint yet)"
+            tail = read_log_tail(Path(job.run_dir) / "train.log" if job.run_dir else None,
+                                 self.settings.log_tail_lines) or None
+            res = s.execute(
+                update(JobRow).where(JobRow.id == job_id, JobRow.status == "running")
+                .values(status="queued", retries=JobRow.retries + 1, exit_code=exit_code, results=results,
+                        log_tail=tail, pid=None, pgid=None, owner=None, owner_host=None, owner_pid=None,
+                        started_at=None, webhook_secret=None,
+                        reason=f"{reason}; automatic retry {(job.retries or 0) + 1} of {job.max_retries}, {where}")
+            )
+            if res.rowcount != 1:
+                return False
+            s.refresh(job)
+            self.job_event(s, job, retry=job.retries)
+        self.broker.notify()
+        logger.info("job %s: %s", job_id, job.reason)
+        self._wake.set()
+        return True
+
     # ---- claiming and launching ----------------------------------------------------------------------
     def _free_devices(self) -> list[str]:
         used = {d for r in self.procs.values() for d in r.devices}
@@ -353,10 +421,14 @@ class JobManager:
     def plan(self, job: JobRow, devices: list[str]) -> LaunchPlan:
         """Write the run dir (frozen config, data backends, prompt library) and build the command."""
         run_dir = self.run_dir_for(job.id)
+        archived = rundir.prepare_attempt(run_dir, job.attempt, bool(job.start_over)) if job.attempt > 1 else None
         (run_dir / "output").mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in (job.train_config or {}).items()
                   if _canon(k) not in ("output_dir", "data_backend_config", "user_prompt_library")}
         config["output_dir"] = str(run_dir / "output")
+        newest = rundir.newest_checkpoint(run_dir / "output") if job.attempt > 1 else None
+        if newest is not None:
+            config["resume_from_checkpoint"] = "latest"  # a retry continues the run (a damaged newest is skipped)
         config["data_backend_config"] = str(run_dir / "multidatabackend.json")
         if job.prompt_library:
             (run_dir / "user_prompt_library.json").write_text(json.dumps(job.prompt_library, indent=2))
@@ -390,11 +462,14 @@ class JobManager:
             SIMPLETUNER_RUN_DIR=str(run_dir),
             PYTHONUNBUFFERED="1",
         )
+        # the trainer checks every path again when it opens it (a symlink may have been swapped in since)
+        env[paths.ROOTS_ENV] = paths.roots_env_value(self.settings.resolved_allowed_roots())
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         elif not self.accelerators:
             env["ACCELERATE_USE_CPU"] = "1"
-        return LaunchPlan(cmd=cmd, env=env, cwd=self.settings.workdir, run_dir=run_dir, devices=devices)
+        return LaunchPlan(cmd=cmd, env=env, cwd=self.settings.workdir, run_dir=run_dir, devices=devices,
+                          resume_step=newest[0] if newest else None, archived=archived)
 
     def _launch(self, job_id: int, devices: list[str]) -> None:
         t0 = time.perf_counter()
@@ -432,7 +507,11 @@ class JobManager:
             job.pid, job.pgid = proc.pid, proc.pid
             job.run_dir = str(plan.run_dir)
             job.devices = ",".join(devices) or None
-            self.job_event(s, job, run_dir=job.run_dir)
+            job.start_over = False
+            extra = {"resumes_from_step": plan.resume_step} if plan.resume_step is not None else {}
+            if plan.archived:
+                extra["previous_output"] = plan.archived
+            self.job_event(s, job, run_dir=job.run_dir, **extra)
         self.broker.notify()
         logger.info("job %s started (pid %s)", job_id, proc.pid)
 
@@ -466,14 +545,16 @@ class JobManager:
         elif exit_code == 0:
             status, reason = "succeeded", None
         elif exit_code is None:
-            # Adopted after a restart: not our child, so no exit code. Trust the trainer's own report.
-            ok = trainer_said == "succeeded" or (Path(job.run_dir or "/nonexistent") / "output" / "run_summary.json").exists()
+            # Adopted after a restart: not our child, so no exit code. Its run dir says whether it finished.
+            ok = trainer_said == "succeeded" or (job.run_dir and rundir.finished_on_disk(job.run_dir) is not None)
             status = "succeeded" if ok else "failed"
             reason = None if ok else "trainer ended while unobserved (exit code unknown)"
         elif run.killed:
             status, reason = "failed", f"killed (exit code {exit_code})"
         else:
             status, reason = "failed", f"trainer exited with code {exit_code}"
+        if status == "failed" and self._retry_after_crash(run.job_id, reason, exit_code, results):
+            return
         self._finish(run.job_id, status=status, reason=reason, exit_code=exit_code, results=results)
 
     def _collect_results(self, job: JobRow) -> dict:
@@ -497,6 +578,9 @@ class JobManager:
                     out["lora_path"] = str(hits[0])
                     break
         out.setdefault("output_dir", str(output))
+        newest = rundir.newest_checkpoint(output)
+        if newest is not None:  # what a Retry resumes from
+            out["last_checkpoint"], out["last_checkpoint_step"] = str(newest[1]), newest[0]
         return out
 
     def _finish(self, job_id: int, *, status: str, reason: str | None, exit_code: int | None,
@@ -507,6 +591,7 @@ class JobManager:
             job.reason = reason
             job.exit_code = exit_code
             job.finished_at = now()
+            job.webhook_secret = None  # a finished job's trainer has nothing more to say
             if results is not None:
                 job.results = results
             if status == "failed":
@@ -590,8 +675,9 @@ class JobManager:
         return env.get("SIMPLETUNER_JOB_ID") == str(job.id) and env.get("SIMPLETUNER_WEBHOOK_SECRET") == (job.webhook_secret or "")
 
     def reconcile(self) -> list[tuple[int, str]]:
-        """Take over jobs left ``running`` by a server that is gone: adopt a live trainer of ours, otherwise
-        mark the job failed ("server restarted") or put it back in the queue (``retry_on_restart``)."""
+        """Take over jobs left ``running`` by a server that is gone: adopt a live trainer of ours; otherwise read
+        its run dir first (a trainer that finished meanwhile succeeded), then put it back in the queue
+        (``retry_on_restart``, or ``max_retries`` left) or mark it failed ("server restarted")."""
         self._last_orphan_check = time.time()
         t = time.time()
         outcomes: list[tuple[int, str]] = []
@@ -621,7 +707,13 @@ class JobManager:
                 continue
             if job.pgid and job.owner_host == self.host:
                 _signal_group(job.pgid, signal.SIGKILL)  # never leave a half-known process behind
-            if job.cancel_requested:
+            results = {**(job.results or {}), **self._collect_results(job)}
+            if job.run_dir and rundir.finished_on_disk(job.run_dir) is not None:
+                # the trainer finished while no server watched: its run dir has the summary and the model
+                self._finish(job.id, status="succeeded", reason="finished while the server was down",
+                             exit_code=None, results=results)
+                outcomes.append((job.id, "succeeded"))
+            elif job.cancel_requested:
                 self._finish(job.id, status="cancelled", reason="cancelled by user (server restarted)",
                              exit_code=None, results={**(job.results or {})})
                 outcomes.append((job.id, "cancelled"))
@@ -633,11 +725,14 @@ class JobManager:
                     row.pid = row.pgid = None
                     row.owner = row.owner_host = row.owner_pid = None
                     row.started_at = None
+                    row.webhook_secret = None
+                    row.results = results
                     self.job_event(s, row)
                 outcomes.append((job.id, "requeued"))
+            elif self._retry_after_crash(job.id, f"trainer lost ({SERVER_RESTARTED})", None, results):
+                outcomes.append((job.id, "requeued"))
             else:
-                self._finish(job.id, status="failed", reason=SERVER_RESTARTED, exit_code=None,
-                             results={**(job.results or {})})
+                self._finish(job.id, status="failed", reason=SERVER_RESTARTED, exit_code=None, results=results)
                 outcomes.append((job.id, "failed"))
         if outcomes:
             self.broker.notify()

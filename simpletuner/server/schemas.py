@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from simpletuner.config.events import EVENT_TYPES
 
@@ -117,6 +118,8 @@ class JobCreate(BaseModel):
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first; ties run in submission order")
     num_processes: int = Field(1, ge=1, le=64, description="processes for accelerate launch")
     retry_on_restart: bool = Field(False, description="re-queue (rather than fail) if the server restarts mid-run")
+    max_retries: int = Field(0, ge=0, le=100, description="automatic retries after a trainer crash; each resumes "
+                                                           "from the newest checkpoint")
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":
@@ -125,6 +128,11 @@ class JobCreate(BaseModel):
         if self.config_name is None and self.config_version is not None:
             raise ValueError("config_version needs config_name")
         return self
+
+
+class JobRetry(BaseModel):
+    start_over: bool = Field(False, description="start from step 0 (the previous output is kept aside) instead of "
+                                                "resuming from the newest valid checkpoint")
 
 
 class JobPatch(BaseModel):
@@ -141,6 +149,8 @@ class JobOut(BaseModel):
     config_version: int | None = None
     num_processes: int
     retry_on_restart: bool
+    max_retries: int = 0
+    retries: int = Field(0, description="automatic retries used (after trainer crashes)")
     submitted_at: float
     started_at: float | None = None
     finished_at: float | None = None
@@ -178,13 +188,32 @@ class FileOut(BaseModel):
 
 # ---- events ------------------------------------------------------------------------------------------
 class WebhookEvent(BaseModel):
-    """What the trainer posts (signed: ``X-SimpleTuner-Signature: sha256=<hmac of the raw body>``)."""
+    """What the trainer posts (signed: ``X-SimpleTuner-Signature: sha256=<hmac of the raw body>``). Numbers are
+    finite: NaN and inf are not JSON, and a NaN time cannot be stored."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     job_id: int | str | None = None
     seq: int = Field(ge=0, le=MAX_ID)
     type: EventType
     time: float
     data: dict[str, Any] = {}
+
+    @field_validator("data")
+    @classmethod
+    def _finite(cls, data: dict[str, Any]) -> dict[str, Any]:
+        def walk(value: Any, path: str) -> None:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{path}: {value} is not a finite number (send null)")
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(v, f"{path}.{k}")
+            elif isinstance(value, list):
+                for i, v in enumerate(value):
+                    walk(v, f"{path}[{i}]")
+
+        walk(data, "data")
+        return data
 
 
 class EventOut(BaseModel):
@@ -211,7 +240,8 @@ class IngestOut(BaseModel):
 
 # ---- system / datasets --------------------------------------------------------------------------------
 class HealthOut(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "error"] = "ok"
+    detail: str | None = None
 
 
 class SystemOut(BaseModel):

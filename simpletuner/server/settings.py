@@ -40,12 +40,18 @@ class ServerSettings:
     port: int = DEFAULT_PORT
     data_dir: Path = field(default_factory=default_data_dir)
     db_url: str | None = None  # default: sqlite file under data_dir
+    db_busy_timeout: float = 10.0  # seconds a request waits for a locked SQLite database before a 503
     # None: one slot per detected accelerator, 1 on CPU.
     max_concurrent: int | None = None
     # Accelerator ids to hand out (CUDA_VISIBLE_DEVICES); None: detect with nvidia-smi.
     accelerators: list[str] | None = None
-    token: str | None = None  # None: $SIMPLETUNER_API_TOKEN, else generated into data_dir/api_token
+    token: str | None = None  # None: token_file, else $SIMPLETUNER_API_TOKEN, else generated into data_dir/api_token
+    token_file: Path | None = None  # read the token from this file (never from the command line: ps shows it)
     require_token: bool = False  # also ask loopback clients for the token
+    # Host names besides localhost/127.0.0.1/[::1] that loopback clients may use and still be trusted
+    allowed_hosts: list[str] = field(default_factory=list)
+    # Origins (scheme://host:port) besides the server's own that may send state-changing requests
+    allowed_origins: list[str] = field(default_factory=list)
     trust_loopback: bool = True  # tests set False to act as an off-machine client
     allowed_roots: list[Path] | None = None  # None: data_dir + workdir
     workdir: Path = field(default_factory=Path.cwd)  # jobs run here; relative config paths resolve here
@@ -60,13 +66,15 @@ class ServerSettings:
     cancel_grace: float = 15.0  # SIGTERM -> SIGKILL
     stop_jobs_on_shutdown: bool = False  # False: jobs keep running and are adopted on next start
     log_tail_lines: int = 60
-    max_event_bytes: int = 32 * 1024 * 1024
+    max_event_bytes: int = 32 * 1024 * 1024  # a trainer webhook (validation images ride in it)
+    max_request_bytes: int = 8 * 1024 * 1024  # any other request body
     sse_keepalive: float = 15.0
     run_scheduler: bool = True
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
         self.workdir = Path(self.workdir).expanduser().resolve()
+        self.allowed_hosts = [h.lower().strip("[]") for h in self.allowed_hosts]
 
     # ---- derived values -------------------------------------------------------------------
     def resolved_db_url(self) -> str:
@@ -99,6 +107,14 @@ class ServerSettings:
     def resolve_token(self) -> tuple[str, bool]:
         """The API token and whether it was generated just now (so the CLI prints it once)."""
         if self.token:
+            return self.token, False
+        if self.token_file is not None:
+            try:
+                self.token = Path(self.token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"--token-file {self.token_file}: cannot be read ({exc.strerror or exc})") from None
+            if not self.token:
+                raise ValueError(f"--token-file {self.token_file}: the file is empty")
             return self.token, False
         env = os.environ.get(TOKEN_ENV)
         if env:

@@ -1,5 +1,6 @@
 """Check a submitted config (train config + data backends + prompt library) before it is stored or run:
-the config layer's schema, then the server's own rule that every local path stays under the allowed roots."""
+the config layer's schema, then the server's own rule that every path field resolves inside the allowed roots
+(see ``simpletuner.config.paths``; the trainer checks again when it opens them)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-logger = logging.getLogger("simpletuner.server")
+from simpletuner.config import paths
 
-# Train-config keys holding local paths, besides any key ending in one of PATH_SUFFIXES.
-PATH_KEYS = {
-    "data_backend_config",
-    "user_prompt_library",
-    "webhook_config",
-    "resume_from_checkpoint",
-    "init_lora",
-    "instance_data_dir",
-    "cache_dir",
-}
-PATH_SUFFIXES = ("_dir", "_path", "_file", "_folder")
-PATH_PREFIXES = ("cache_dir",)  # cache_dir_vae, cache_dir_text, ...
-# Data backend types whose paths are not on this machine's disk.
-REMOTE_BACKENDS = {"aws", "s3", "huggingface", "hf", "csv_url"}
+logger = logging.getLogger("simpletuner.server")
 
 
 @dataclass
@@ -59,57 +47,62 @@ def _join(prefix: str, path: str) -> str:
 
 
 def _canon(key: str) -> str:
-    return key.lstrip("-").replace("-", "_") if key.startswith("--") else key
-
-
-def _is_path_key(key: str) -> bool:
-    key = _canon(key)
-    return key in PATH_KEYS or key.endswith(PATH_SUFFIXES) or key.startswith(PATH_PREFIXES)
-
-
-def _looks_like_url(value: str) -> bool:
-    return "://" in value
+    """A config key as the loader reads it (``--output-dir``, ``output-dir`` and ``output_dir`` are one key)."""
+    return str(key).lstrip("-").strip().replace("-", "_")
 
 
 def within_roots(value: str, roots: list[Path], base: Path) -> bool:
     """True when ``value`` (relative paths resolve against ``base``; symlinks are followed) is inside a root."""
-    try:
-        p = Path(os.path.expanduser(value))
-        if not p.is_absolute():
-            p = base / p
-        real = Path(os.path.realpath(p))
-    except (OSError, ValueError):  # NUL bytes, names too long: not a usable path, so not an allowed one
-        return False
-    return any(real == r or r in real.parents for r in roots)
+    return paths.problem(value, roots, base, "dir") is None
 
 
-def _scan(obj: Any, prefix: str, roots: list[Path], base: Path, out: list[FieldProblem], key: str = "") -> None:
-    if isinstance(obj, Mapping):
-        if str(obj.get("type", "local")).lower() in REMOTE_BACKENDS:
-            return
-        for k, v in obj.items():
-            _scan(v, _join(prefix, _canon(str(k))), roots, base, out, key=str(k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _scan(v, f"{prefix}[{i}]", roots, base, out, key=key)
-    elif isinstance(obj, str) and key and (_is_path_key(key) or _canon(key) == "path"):
-        text = obj.strip()
-        if not text or _looks_like_url(text) or text.startswith(("{", "[")):
-            return
-        if _canon(key) == "resume_from_checkpoint" and text == "latest":
-            return
-        if not within_roots(text, roots, base):
-            out.append(FieldProblem(prefix, f"path {text!r} is outside the allowed roots ({', '.join(map(str, roots))})"))
+def _entry_label(index: int, entry: Any) -> str:
+    ident = entry.get("id") if isinstance(entry, Mapping) else None
+    return f"data_backends[{ident}]" if isinstance(ident, str) and ident and "[" not in ident and "]" not in ident \
+        else f"data_backends[{index}]"
 
 
-def check_paths(train_config: Mapping, data_backends: list, roots: list[Path], base: Path) -> list[FieldProblem]:
-    """Every local path field that escapes ``roots``, named by its field path."""
+def _backend_path_fields() -> dict[str, paths.PathField]:
+    from simpletuner.config import DatasetBackend, TextEmbedsBackend
+
+    return {**paths.path_fields(DatasetBackend), **paths.path_fields(TextEmbedsBackend)}
+
+
+def _train_path_fields() -> dict[str, paths.PathField]:
+    from simpletuner.config import TrainConfig
+
+    return paths.path_fields(TrainConfig)
+
+
+def _check_value(field_path: str, value: Any, spec: paths.PathField, roots: list[Path], base: Path,
+                 output_base: Path | None, out: list[FieldProblem]) -> bool:
+    """Add a problem for ``value`` (read from ``base``, or from ``output_base`` where the trainer reads it from
+    its output folder); True when it passed."""
+    message = paths.field_problem(spec, value, roots, base, output_base)
+    if message:
+        out.append(FieldProblem(field_path, message))
+    return message is None
+
+
+def check_paths(train_config: Mapping, data_backends: list, roots: list[Path], base: Path,
+                output_base: Path | None = None) -> list[FieldProblem]:
+    """Every path field (as marked in the schemas; keys in any SimpleTuner spelling) that escapes ``roots``,
+    named by its field path. Values are judged by what they resolve to, never by how they look."""
     out: list[FieldProblem] = []
-    _scan(dict(train_config), "train_config", roots, base, out)
+    fields = _train_path_fields()
+    for key, value in train_config.items():
+        name = _canon(str(key))
+        if name in fields:
+            _check_value(f"train_config.{name}", value, fields[name], roots, base, output_base, out)
+    fields = _backend_path_fields()
     for i, entry in enumerate(data_backends or []):
-        label = f"data_backends[{entry.get('id', i)}]" if isinstance(entry, Mapping) else f"data_backends[{i}]"
-        if isinstance(entry, Mapping):
-            _scan(entry, label, roots, base, out)
+        if not isinstance(entry, Mapping):
+            continue
+        label = _entry_label(i, entry)
+        for key, value in entry.items():
+            name = str(key).lstrip("-")
+            if name in fields:
+                _check_value(f"{label}.{name}", value, fields[name], roots, base, output_base, out)
     return out
 
 
@@ -140,10 +133,9 @@ def check_prompt_library(library: Any) -> list[FieldProblem]:
 
 
 def _read_json_file(value: str, base: Path, field_path: str, problems: list[FieldProblem]) -> Any:
-    p = Path(os.path.expanduser(value))
-    p = p if p.is_absolute() else base / p
+    """A JSON file named by a path field that already passed the roots check (read from where it resolves)."""
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(Path(paths.resolve(value, base)).read_text(encoding="utf-8"))
     except FileNotFoundError:
         problems.append(FieldProblem(field_path, f"file {value!r} not found"))
     except (OSError, ValueError) as exc:
@@ -151,11 +143,8 @@ def _read_json_file(value: str, base: Path, field_path: str, problems: list[Fiel
     return None
 
 
-def _get(mapping: Mapping, key: str) -> Any:
-    for k, v in mapping.items():
-        if _canon(str(k)) == key:
-            return v
-    return None
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def check_config(
@@ -164,12 +153,19 @@ def check_config(
     prompt_library: Mapping | None,
     roots: list[Path],
     base: Path,
+    *,
+    overrides: Mapping | None = None,
+    output_base: Path | None = None,
 ) -> Checked:
     """Validate everything and raise ``InvalidConfig`` listing every problem (not just the first).
 
-    Empty ``data_backends`` / ``prompt_library`` are read from the files the train config names
-    (``data_backend_config`` / ``user_prompt_library``), if those are inside the allowed roots."""
+    Keys are read as the trainer reads them (``--key`` spellings, ``TRAINER_EXTRA_ARGS``, then ``overrides``),
+    and every path field of both configs must resolve inside ``roots`` (relative paths from ``base``; fields
+    relative to the output folder also from ``output_base``). No file outside the roots is ever read, not even
+    to report on it. Empty ``data_backends`` / ``prompt_library`` are read from the files the train config names
+    (``data_backend_config`` / ``user_prompt_library``)."""
     from simpletuner.config import ConfigError, dump_train_config, load_data_backends, load_train_config
+    from simpletuner.config.loader import prepare_train_config
 
     if not isinstance(train_config, Mapping):
         raise InvalidConfig([FieldProblem("train_config", "expected an object")])
@@ -177,35 +173,50 @@ def check_config(
         data_backends = []
     if not isinstance(data_backends, list):
         raise InvalidConfig([FieldProblem("data_backends", "expected a list of datasets")])
-    problems = check_paths(train_config, data_backends, roots, base)
-    read_files = not problems  # never read files from outside the roots, not even to report on them
-    warnings: list[str] = []
+    try:
+        values, warnings, _ = prepare_train_config(train_config, overrides=overrides)
+    except ConfigError as exc:
+        raise InvalidConfig(_config_errors(exc, "train_config")) from None
+    problems: list[FieldProblem] = []
+    fields = _train_path_fields()
+    for name, spec in fields.items():
+        if name in values and not _check_value(f"train_config.{name}", values[name], spec, roots, base,
+                                               output_base, problems):
+            del values[name]  # refused: never read, not even by the schema
 
-    backend_file = _get(train_config, "data_backend_config")
-    if read_files and not data_backends and isinstance(backend_file, str) and backend_file.strip():
+    # Files named by the config are read here, from where they resolve, so the schema never opens a file.
+    hooks = _text(values.get("webhook_config"))
+    if hooks and not hooks.lstrip().startswith(("{", "[")):
+        values["webhook_config"] = _read_json_file(hooks, base, "train_config.webhook_config", problems)
+    backend_file = _text(values.get("data_backend_config"))
+    if not data_backends and backend_file:
         data_backends = _read_json_file(backend_file, base, "train_config.data_backend_config", problems) or []
         if not isinstance(data_backends, list):
             problems.append(FieldProblem("train_config.data_backend_config", "file does not hold a JSON list"))
             data_backends = []
-        else:
-            problems.extend(check_paths({}, data_backends, roots, base))
-    library_file = _get(train_config, "user_prompt_library")
-    if read_files and prompt_library is None and isinstance(library_file, str) and library_file.strip():
+    library_file = _text(values.get("user_prompt_library"))
+    if prompt_library is None and library_file:
         prompt_library = _read_json_file(library_file, base, "train_config.user_prompt_library", problems)
     problems.extend(check_prompt_library(prompt_library))
+    problems.extend(check_paths({}, data_backends, roots, base, output_base))
 
     # The server writes these files into the run dir itself.
-    loadable = {k: v for k, v in train_config.items()
-                if _canon(str(k)) not in ("data_backend_config", "user_prompt_library")}
+    loadable = {k: v for k, v in values.items() if k not in ("data_backend_config", "user_prompt_library")}
     frozen = None
     resolution = resolution_type = None
     schema_version = None
+    seen = {p.path for p in problems}
     try:
         loaded = load_train_config(loadable)
         warnings.extend(str(w) for w in loaded.warnings or [])
         frozen = dump_train_config(loaded.config)
         resolution, resolution_type = loaded.config.resolution, loaded.config.resolution_type
         schema_version = getattr(loaded.config, "config_version", None)
+        for name, value, spec in paths.config_paths(loaded.config):  # defaults are paths too
+            # output_dir is the server's own choice for a job (RUN_DIR/output); the others, defaults included, count
+            if name not in values and f"train_config.{name}" not in seen and name not in (
+                    "output_dir", "data_backend_config", "user_prompt_library"):
+                _check_value(f"train_config.{name}", value, spec, roots, base, output_base, problems)
     except ConfigError as exc:
         problems.extend(_config_errors(exc, "train_config"))
     except Exception as exc:  # a config-layer bug must not become a 500 for the user
@@ -214,13 +225,17 @@ def check_config(
     try:
         backends = load_data_backends(list(data_backends), resolution=resolution, resolution_type=resolution_type)
         warnings.extend(str(w) for w in backends.warnings or [])
+        for name, value, spec in paths.config_paths(None, backends):  # e.g. cache_dir_vae from the id
+            label = "data_backends" + name[len("datasets"):]
+            if label not in seen:
+                _check_value(label, value, spec, roots, base, output_base, problems)
     except ConfigError as exc:
         problems.extend(_config_errors(exc, "data_backends"))
     except Exception as exc:
         logger.exception("data backend check crashed")
         problems.append(FieldProblem("data_backends", f"could not be checked: {exc}"))
     if problems:
-        raise InvalidConfig(problems)
+        raise InvalidConfig(_unique(problems))
     return Checked(
         train_config=json.loads(json.dumps(dict(train_config))),
         data_backends=json.loads(json.dumps(list(data_backends))),
@@ -231,16 +246,26 @@ def check_config(
     )
 
 
+def _unique(problems: list[FieldProblem]) -> list[FieldProblem]:
+    seen, out = set(), []
+    for p in problems:
+        if (p.path, p.message) not in seen:
+            seen.add((p.path, p.message))
+            out.append(p)
+    return out
+
+
 def absolutize_backends(data_backends: list, base: Path) -> list:
-    """Data backends with relative local paths made absolute against ``base`` (the job's working dir)."""
+    """Data backends with relative path fields made absolute against ``base`` (the job's working dir)."""
+    fields = _backend_path_fields()
     out = []
     for entry in data_backends:
-        if not isinstance(entry, Mapping) or str(entry.get("type", "local")).lower() in REMOTE_BACKENDS:
+        if not isinstance(entry, Mapping):
             out.append(entry)
             continue
         new = dict(entry)
         for k, v in entry.items():
-            if isinstance(v, str) and v and _is_path_key(k) and not _looks_like_url(v):
+            if isinstance(v, str) and v and str(k).lstrip("-") in fields:
                 p = Path(os.path.expanduser(v))
                 new[k] = str(p if p.is_absolute() else (base / p))
         out.append(new)

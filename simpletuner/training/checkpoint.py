@@ -10,18 +10,21 @@ A checkpoint folder ``checkpoint-<step>`` holds
 - ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
 
 Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
-finished, so a crash never leaves a half-written checkpoint that resume would pick up (the temp folder is removed
-at the next start). Tensors files are loaded with ``torch.load(weights_only=True)``: RNG states are stored as plain
-lists and tensors, never as pickled objects.
+finished, its files flushed to disk, so a crash never leaves a half-written checkpoint that resume would pick up
+(the temp folder is removed at the next start). Resuming from ``latest`` skips a damaged newest checkpoint (a warning
+names the file) for the one before it; a named checkpoint must read back whole. Nothing is ever unpickled: ``.pt``
+files are read with ``torch.load(weights_only=True)`` and RNG states are stored as plain lists and tensors.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,12 +32,17 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.training import failpoints
 from simpletuner.training.state import RunState
 
 log = logging.getLogger("simpletuner.checkpoint")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TEMP = re.compile(r"^\.checkpoint-\d+(\.tmp|-.*)$")
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file that cannot be read back whole (missing, truncated, corrupt, empty); names the file."""
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -51,8 +59,8 @@ def remove_incomplete(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     removed = [p for p in root.iterdir() if _TEMP.match(p.name) and p.is_dir()] if root.is_dir() else []
     for path in removed:
-        log.warning("removing %s: an incomplete checkpoint from an interrupted save", path)
         shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left by a crash during a checkpoint save", path)
     return removed
 
 
@@ -102,7 +110,24 @@ def _rng_file(rank: int) -> str:
 
 
 def _load(path: Path):
-    return torch.load(path, weights_only=True, map_location="cpu")
+    """A ``.pt`` state file read without unpickling code; CheckpointDamaged names it when it does not read back."""
+    if not path.is_file():
+        raise CheckpointDamaged(f"{path}: missing")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # truncated, corrupt, or a pickle that wants to run code
+        first = str(exc).splitlines()[0] if str(exc) else "damaged"
+        raise CheckpointDamaged(f"{path}: cannot be read safely ({type(exc).__name__}: {first})") from None
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush a freshly written folder's files (and the folder) to disk before it is renamed into place."""
+    for p in [*folder.iterdir(), folder]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # ---- save / load ---------------------------------------------------------------------------------------------
@@ -134,9 +159,11 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
                       tmp / "trainable.safetensors")
             if not sharded_optimizer:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            failpoints.hit("checkpoint.save", step)  # crash drills: die with the checkpoint half-written
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
+            _fsync_tree(tmp)
             if final.exists():  # re-running the same step (e.g. after resume): replace
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -152,34 +179,90 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
 
 
 def read_training_state(path: Path) -> dict:
-    """``training_state.json`` of a checkpoint; ValueError naming the file when it is empty or damaged."""
+    """``training_state.json`` of a checkpoint; CheckpointDamaged naming the file when it is empty or damaged."""
     file = Path(path) / "training_state.json"
     try:
         saved = json.loads(file.read_text())
         int(saved["global_step"]), int(saved["epoch"]), int(saved["batch_in_epoch"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{file}: not a readable training state ({exc})") from None
+        raise CheckpointDamaged(f"{file}: empty or damaged, not a readable training state ({exc})") from None
     return saved
+
+
+def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
+    """Every file of ``checkpoint-<step>`` this rank restores, read into memory; CheckpointDamaged names the first
+    one that is missing or does not read back whole, so a damaged checkpoint restores nothing. Every rank's RNG
+    file is read on every rank, so all ranks judge a checkpoint alike."""
+    path = Path(path)
+    saved = read_training_state(path)
+    sharded = bool(saved.get("sharded_optimizer"))
+    saved_world = int(saved.get("world_size", 1))
+    if sharded and saved_world != world_size:
+        raise ValueError(f"resume_from_checkpoint: {path} holds optimizer shards of {saved_world} processes; "
+                         f"resume it with {saved_world} processes (this run has {world_size})")
+    if not (path / _rng_file(rank)).is_file() and rank >= saved_world:
+        raise FileNotFoundError(f"resume_from_checkpoint: {path} has no RNG state for process {rank} "
+                                "(it was saved by a run with fewer processes)")
+    parts: dict = {"state": saved}
+    try:
+        parts["trainable"] = load_file(path / "trainable.safetensors")
+    except Exception as exc:  # safetensors' own error type: a truncated file, a bad header
+        raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
+    parts["optimizer"] = _load(path / (f"optimizer-rank{rank}.pt" if sharded else "optimizer.pt"))
+    parts["scheduler"] = _load(path / "scheduler.pt")
+    for r in range(saved_world):
+        rng = _load(path / _rng_file(r))
+        if r == rank:
+            parts["rng"] = rng
+    return parts
+
+
+def _restore(parts: dict, state: RunState, optimizer, lr_scheduler) -> dict[str, torch.Tensor]:
+    optimizer.load_state_dict(parts["optimizer"])
+    lr_scheduler.load_state_dict(parts["scheduler"])
+    restore_rng(parts["rng"], state.generator)
+    state.restore_position(parts["state"])
+    return parts["trainable"]
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
                     world_size: int = 1) -> dict[str, torch.Tensor]:
     """Restore optimizer, scheduler, this rank's RNG and the run position into ``state``; returns the trainable
-    weights. A checkpoint with per-rank optimizer shards needs the world size it was saved with."""
+    weights. Everything is read (and checked) before anything is restored. A checkpoint with per-rank optimizer
+    shards needs the world size it was saved with."""
+    return _restore(read_checkpoint(path, rank, world_size), state, optimizer, lr_scheduler)
+
+
+def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: RunState, *, optimizer, lr_scheduler,
+           rank: int = 0, world_size: int = 1) -> tuple[Path, dict[str, torch.Tensor]] | None:
+    """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights), or None when there is
+    nothing to resume. With ``latest`` a damaged newest checkpoint is reported by file and the one before it used."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint != "latest":
+        path = resolve_resume(output_dir, resume_from_checkpoint)
+        return path, load_checkpoint(path, state, optimizer=optimizer, lr_scheduler=lr_scheduler, rank=rank,
+                                     world_size=world_size)
+    for path in reversed(list_checkpoints(output_dir)):
+        try:
+            parts = read_checkpoint(path, rank, world_size)
+        except CheckpointDamaged as exc:
+            log.warning("%s; resuming from the checkpoint before it", exc)
+            continue
+        return path, _restore(parts, state, optimizer, lr_scheduler)
+    return None
+
+
+def write_json(path: str | Path, data) -> None:
+    """Write JSON atomically (temp file + rename): a reader never sees half a file, even after a crash."""
     path = Path(path)
-    saved = read_training_state(path)
-    saved_world = int(saved.get("world_size", 1))
-    if saved.get("sharded_optimizer") and saved_world != world_size:
-        raise ValueError(f"resume_from_checkpoint: {path} holds optimizer shards of {saved_world} processes; "
-                         f"resume it with {saved_world} processes (this run has {world_size})")
-    rng_file = path / _rng_file(rank)
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"resume_from_checkpoint: {path} has no RNG state for process {rank} "
-                                "(it was saved by a run with fewer processes)")
-    trainable = load_file(path / "trainable.safetensors")
-    optimizer_file = path / (f"optimizer-rank{rank}.pt" if saved.get("sharded_optimizer") else "optimizer.pt")
-    optimizer.load_state_dict(_load(optimizer_file))
-    lr_scheduler.load_state_dict(_load(path / "scheduler.pt"))
-    restore_rng(_load(rng_file), state.generator)
-    state.restore_position(saved)
-    return trainable
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

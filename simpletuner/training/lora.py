@@ -55,7 +55,10 @@ def load_initial_lora(transformer, path: str | Path) -> None:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"init_lora: {path} does not exist")
-    state = load_file(path)
+    try:
+        state = load_file(path)  # safetensors only: a LoRA file is never unpickled
+    except Exception as exc:  # safetensors' own error type for a pickle, a truncated file, a bad header
+        raise ValueError(f"init_lora: {path} is not a readable .safetensors file ({exc})") from None
     prefix = "transformer."
     state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     load_lora_state(transformer, state, f"init_lora {path}")

@@ -31,8 +31,10 @@ from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.evaluator import Evaluator
+from simpletuner.training.guards import NanLossGuard, require_finite
 from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
 from simpletuner.training.state import RunState
+from simpletuner.training.paths import check_run_paths
 from simpletuner.training.webhooks import WebhookReporter
 
 log = logging.getLogger("simpletuner.trainer")
@@ -319,6 +321,7 @@ def _unwrap(model):
 # ---------------------------------------------------------------------------------------------------------------
 def train(config, backends, *, reporter: WebhookReporter | None = None) -> TrainResult:
     """Train as ``config`` says; returns where the results are. Raises TrainingInterrupted on SIGTERM."""
+    check_run_paths(config, backends)  # a server's job: every path still inside its allowed roots
     reporter = reporter or WebhookReporter.from_env(getattr(config, "webhook_config", None))
     output_dir = Path(config.output_dir)
     accelerator = Accelerator(
@@ -358,10 +361,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                                                                device_placement=placement)
 
     # ---- resume ----
-    resume_path = ckpt.resolve_resume(output_dir, config.resume_from_checkpoint)
-    if resume_path is not None:
-        trainable = ckpt.load_checkpoint(resume_path, state, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                         rank=accelerator.process_index, world_size=accelerator.num_processes)
+    resumed = ckpt.resume(output_dir, config.resume_from_checkpoint, state, optimizer=optimizer,
+                          lr_scheduler=lr_scheduler, rank=accelerator.process_index,
+                          world_size=accelerator.num_processes)
+    if resumed is not None:
+        resume_path, trainable = resumed
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
         log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, state.global_step, state.epoch,
                  state.batch_in_epoch)
@@ -380,6 +384,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     started, start_step = time.time(), state.global_step
     accumulated = 0.0
     save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter)
+    nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while state.global_step < max_steps:
             batches = data.sampler.epoch_batches(state.epoch)
@@ -393,12 +398,15 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                 with accelerator.accumulate(transformer):
                     loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
                     accelerator.backward(loss)
+                    accumulated += (accelerator.gather(loss.detach()).mean().item()
+                                    / config.gradient_accumulation_steps)
+                    if accelerator.sync_gradients and not math.isfinite(accumulated):
+                        optimizer.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
                     if accelerator.sync_gradients and config.max_grad_norm:
                         accelerator.clip_grad_norm_(params, config.max_grad_norm)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                accumulated += accelerator.gather(loss.detach()).mean().item() / config.gradient_accumulation_steps
                 if not accelerator.sync_gradients:
                     continue
 
@@ -416,6 +424,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                     with loss_log.open("a") as fh:
                         fh.write(json.dumps({"step": step, "loss": step_loss, "lr": lr, "epoch": state.epoch}) + "\n")
                     reporter.progress(step, max_steps, step_loss, lr, it_s, eta, epoch=state.epoch)
+                nan_guard.check(step, step_loss)
                 evaluator.on_step(step, transformer, loss=step_loss, lr=lr)
                 if config.checkpointing_steps and step % config.checkpointing_steps == 0:
                     save(state)
@@ -438,13 +447,14 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                          skipped_files=data.skipped)
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
+        require_finite(_trainable_state(model, config), step, "the final model")
         if config.model_type == "lora":
             result.lora_path = str(adapter.save_lora(lora_state_dict(model), output_dir))
         else:
             model.save_pretrained(output_dir / "transformer", safe_serialization=True)
             result.model_path = str(output_dir / "transformer")
         summary = {k: v for k, v in result.__dict__.items() if k != "losses"}
-        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        ckpt.write_json(output_dir / "run_summary.json", summary)
     accelerator.end_training()
     return result
 
@@ -453,8 +463,12 @@ def _last_logged_loss(loss_log: Path) -> float | None:
     """The newest loss in training_log.jsonl (a resumed run that had nothing left to train reports it)."""
     if not loss_log.is_file():
         return None
-    lines = loss_log.read_text().strip().splitlines()
-    return json.loads(lines[-1])["loss"] if lines else None
+    for line in reversed(loss_log.read_text().strip().splitlines()):
+        try:
+            return json.loads(line)["loss"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            continue
+    return None
 
 
 def _trainable_state(model, config) -> dict[str, torch.Tensor]:
@@ -481,9 +495,10 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
 
     def save(state: RunState) -> None:
         main = accelerator.is_main_process
+        trainable = _trainable_state(accelerator.unwrap_model(transformer), config)
+        require_finite(trainable, state.global_step, "checkpoint")  # on every rank, so they stop together
         path = ckpt.save_checkpoint(
-            config.output_dir, state,
-            trainable=_trainable_state(accelerator.unwrap_model(transformer), config) if main else None,
+            config.output_dir, state, trainable=trainable if main else None,
             optimizer=optimizer, lr_scheduler=lr_scheduler, total_limit=config.checkpoints_total_limit,
             rank=accelerator.process_index, world_size=accelerator.num_processes,
             barrier=accelerator.wait_for_everyone, sharded_optimizer=sharded,

@@ -74,7 +74,8 @@ class Server:
     """`simpletuner server` in a subprocess (uvicorn on a free loopback port) with a private data dir and a
     working dir holding a copy of the sample dataset."""
 
-    def __init__(self, root: Path, name: str, fake_gpus: int = 0, extra_args: tuple[str, ...] = ()):
+    def __init__(self, root: Path, name: str, fake_gpus: int = 0, extra_args: tuple[str, ...] = (),
+                 token: str | None = None):
         self.extra_args = list(extra_args)
         self.workdir = root / "work"
         self.data_dir = root / "data"
@@ -89,6 +90,8 @@ class Server:
         self.log_path = ARTIFACTS / f"server-{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SIMPLETUNER_API_TOKEN", None)
+        if token:  # from the environment: a token on the command line would show in ps
+            env["SIMPLETUNER_API_TOKEN"] = token
         if fake_gpus:  # the server finds accelerators with `nvidia-smi -L`; this one lists made-up GPUs
             bin_dir = root / "bin"
             bin_dir.mkdir()
@@ -98,7 +101,6 @@ class Server:
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
         self.env = env
         self.log = open(self.log_path, "w")
-        token = next((a.split("=", 1)[1] for a in self.extra_args if a.startswith("--token=")), None)
         self.http = httpx.Client(base_url=self.url, timeout=30,
                                  headers={"Authorization": f"Bearer {token}"} if token else None)
         self.start()

@@ -70,8 +70,10 @@ def test_multi_gpu_choice_sets_num_processes(page, gpu_server):
 
 def test_remote_style_server_asks_for_the_token(page, tmp_path_factory):
     """With --require-token even loopback needs the token: the page asks for it once, then everything works
-    (fetch with the Authorization header, EventSource with ?token=)."""
-    srv = Server(tmp_path_factory.mktemp("token"), "test_token", extra_args=("--require-token", "--token=s3cret-token"))
+    (fetch with the Authorization header; EventSource, images and downloads with the session cookie)."""
+    srv = Server(tmp_path_factory.mktemp("token"), "test_token", extra_args=("--require-token",), token="s3cret-token")
+    urls = []
+    page.on("request", lambda req: urls.append(req.url))
     try:
         page.goto(f"{srv.url}/queue")
         page.wait_for_selector("#token-dialog[open]")
@@ -81,6 +83,7 @@ def test_remote_style_server_asks_for_the_token(page, tmp_path_factory):
         page.wait_for_selector("#live-text:has-text('live')")
         assert "0 jobs" in page.inner_text("#queue-summary")
         assert page.is_visible("#token-button")
+        assert not [u for u in urls if "token=" in u]  # the stream authenticates with the session cookie
         shot(page, "token-1280")
     finally:
         page.goto("about:blank")  # close the event stream before its server goes

@@ -17,7 +17,7 @@ PAGES = ["/queue", "/configs", "/configs/new", "/configs/tiny-flux", "/jobs/1", 
 @pytest.fixture
 def ui(tmp_path):
     app = create_app(make_settings(tmp_path, tmp_path, run_scheduler=False))
-    with TestClient(app, client=LOOPBACK) as c:
+    with TestClient(app, client=LOOPBACK, base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -95,7 +95,7 @@ from fastapi.testclient import TestClient
 from simpletuner.server.app import create_app
 from simpletuner.server.settings import ServerSettings
 app = create_app(ServerSettings(data_dir={str(tmp_path)!r}, workdir={str(tmp_path)!r}, run_scheduler=False, token="t"))
-with TestClient(app, client=("127.0.0.1", 50000)) as c:
+with TestClient(app, client=("127.0.0.1", 50000), base_url="http://127.0.0.1") as c:
     for path in {PAGES!r} + ["/api/schema/train-config", "/api/schema/data-backends", "/static/js/form.js"]:
         assert c.get(path).status_code == 200, path
 assert "torch" not in sys.modules, "torch was imported"

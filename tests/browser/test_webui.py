@@ -202,13 +202,17 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     until(page, f"document.querySelectorAll('#jobs-body tr[data-job]').length === {succeeded}")
     assert set(page.locator("#jobs-body tr[data-job]").evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"succeeded"}
     page.click('#filters button[data-status=""]')
+    total = server.http.get("/api/jobs").json()["total"]
     page.click(f'[aria-label="Retry job {job_id}"]')
-    retried = page.locator("#jobs-body tr[data-job]").first
-    until(page, f"Number(document.querySelector('#jobs-body tr[data-job]').dataset.job) > {job_id}")
-    new_id = int(retried.get_attribute("data-job"))
-    page.click(f'[aria-label="Cancel job {new_id}"]')
-    page.wait_for_selector(f'tr[data-job="{new_id}"][data-status="cancelled"]', timeout=60_000)
-    assert server.http.get(f"/api/jobs/{new_id}").json()["status"] == "cancelled"
+    # Retry puts the same job back in the queue, to continue its run from its newest checkpoint (step 60)
+    page.wait_for_selector(f'tr[data-job="{job_id}"][data-status="queued"], tr[data-job="{job_id}"][data-status="running"]')
+    page.click(f'[aria-label="Cancel job {job_id}"]')
+    page.wait_for_selector(f'tr[data-job="{job_id}"][data-status="cancelled"]', timeout=60_000)
+    again = server.http.get(f"/api/jobs/{job_id}").json()
+    assert again["status"] == "cancelled" and again["attempt"] == 2
+    assert server.http.get("/api/jobs").json()["total"] == total  # no new job: the same one, attempt 2
+    requeued = [e for e in server.all_events(job_id) if e["type"] == "job" and e["data"]["status"] == "queued"]
+    assert requeued[-1]["data"]["resumes_from_step"] == 60
     shot(page, "queue-1280")
 
 
@@ -234,6 +238,42 @@ def test_job_page_resumes_after_the_server_restarts(page, server):
     # while the server was down, the reconnect attempts and log polls failed; nothing else may have
     expected = ("ERR_CONNECTION_REFUSED", "ERR_EMPTY_RESPONSE", "ERR_INCOMPLETE_CHUNKED_ENCODING", "ERR_CONNECTION_RESET")
     page.errors[:] = [e for e in page.errors if not any(x in e for x in expected)]
+
+
+def test_retry_button_continues_a_crashed_run_from_its_checkpoint(page, server):
+    """The trainer dies (kill -9) mid-run; the job page's Retry continues the same run from its newest checkpoint
+    instead of step 0."""
+    import os
+    import signal
+    import time
+
+    server.http.post("/api/configs", json={"name": "tiny-flux-crash", "data_backends": tiny_backends(),
+                                           "train_config": tiny_train_config(max_train_steps=30)}).raise_for_status()
+    job_id = server.http.post("/api/jobs", json={"config_name": "tiny-flux-crash"}).json()["id"]
+    page.goto(f"{server.url}/jobs/{job_id}")
+    page.wait_for_selector("body[data-ready]")
+    deadline = time.time() + 180
+    while True:  # past the first checkpoint (every 6 steps)
+        job = server.http.get(f"/api/jobs/{job_id}").json()
+        if (job["results"] or {}).get("last_checkpoint") and (job["progress"] or {}).get("step", 0) >= 7:
+            break
+        assert job["status"] == "running" and time.time() < deadline, job
+        time.sleep(0.05)
+    os.killpg(job["pid"], signal.SIGKILL)
+    page.wait_for_selector("body[data-status=failed]", timeout=60_000)
+    page.wait_for_selector("#retry-button:not([hidden])")
+    assert page.is_visible("#start-over-button")
+    page.click("#retry-button")
+    page.wait_for_selector("body[data-status=succeeded]", timeout=240_000)
+    events = server.all_events(job_id)
+    job = server.http.get(f"/api/jobs/{job_id}").json()
+    assert job["attempt"] == 2 and job["results"]["steps"] == 30
+    first = [e["data"]["step"] for e in events if e["type"] == "progress" and e["attempt"] == 1]
+    saved = max(e["data"]["step"] for e in events if e["type"] == "checkpoint" and e["attempt"] == 1)
+    second = [e["data"]["step"] for e in events if e["type"] == "progress" and e["attempt"] == 2]
+    assert second == list(range(saved + 1, 31))  # resumed from its newest checkpoint, not from step 0
+    assert saved >= 6 and max(first) - saved <= 6  # at most one checkpoint interval was lost
+    shot(page, "job-retried-1280")
 
 
 def test_configs_list_duplicate_raw_json_and_delete(page, server):

@@ -67,3 +67,38 @@ def test_fill_encodes_only_missing_entries(tmp_path):
     assert fill_text_cache(["a", "bb", "a"], adapter, text, 8, show_progress=False) == 2
     assert fill_text_cache(["a", "bb", "ccc"], adapter, text, 8, show_progress=False) == 1
     assert text.load(text_key("bb", "te-v1"))["prompt_embeds"][0, 0] == 2.0
+
+
+# ---- damaged entries (issue 15) -------------------------------------------------------------------------------
+def test_a_damaged_entry_is_encoded_again_and_named(tmp_path, caplog):
+    adapter = CountingAdapter()
+    samples = [make_sample(tmp_path / f"{i}.png") for i in range(3)]
+    cache_dir = tmp_path / "cache"
+    assert fill_latent_cache({str(cache_dir): samples}, adapter, batch_size=2, show_progress=False) == 3
+    cache = TensorCache(cache_dir)
+    damaged = cache.path(latent_key(samples[1], "vae-v1"))
+    damaged.write_bytes(damaged.read_bytes()[:30])  # cut short, as by a crash or a full disk
+    garbled = cache.path(latent_key(samples[2], "vae-v1"))
+    garbled.write_bytes(b"\xff" * 64)
+    with caplog.at_level("WARNING"):
+        assert fill_latent_cache({str(cache_dir): samples}, adapter, batch_size=2, show_progress=False) == 2
+    assert str(damaged) in caplog.text and str(garbled) in caplog.text
+    assert adapter.images == 5
+    assert cache.load(latent_key(samples[1], "vae-v1"))["latents"].shape[0] == 1
+
+
+def test_an_entry_damaged_mid_run_is_a_clear_error_naming_it(tmp_path):
+    from simpletuner.data.cache import CacheEntryDamaged
+    from simpletuner.data.discovery import DatasetError
+
+    cache = TensorCache(tmp_path)
+    key = text_key("a cat", "te-v1")
+    cache.save(key, {"prompt_embeds": torch.ones(2, 3)})
+    cache.path(key).write_bytes(b"\x00" * 10)
+    try:
+        cache.load(key)
+    except CacheEntryDamaged as exc:
+        assert str(cache.path(key)) in str(exc)
+        assert isinstance(exc, DatasetError)  # the CLI prints it as one line, no traceback
+    else:
+        raise AssertionError("a damaged entry loaded")

@@ -37,8 +37,9 @@ class Server:
         self.log_path = tmp / f"server-{self.port}-{time.time_ns()}.log"
         self.cmd = [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),
                     "--data-dir", str(data_dir), "--allowed-root", str(REPO), "--allowed-root", str(tmp),
-                    "--token", TOKEN, "--cancel-grace", "20", "--log-level", "warning", *extra]
+                    "--cancel-grace", "20", "--log-level", "warning", *extra]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SIMPLETUNER_")}
+        self.env["SIMPLETUNER_API_TOKEN"] = TOKEN  # not on the command line, where ps shows it
         self.env.update(env or {})
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
@@ -283,7 +284,7 @@ def test_auth_forged_webhooks_paths_and_bad_configs(tiny):
 
         escapes = [
             ({"--output_dir": "/etc/simpletuner"}, None, "train_config.output_dir"),
-            ({"--cache_dir": "../../../outside"}, None, "train_config.cache_dir"),
+            ({"--init_lora": "../../../outside/l.safetensors"}, None, "train_config.init_lora"),
             (None, {"instance_data_dir": "/root"}, "data_backends[sample].instance_data_dir"),
             (None, {"cache_dir_vae": "/var/tmp/../../etc"}, "data_backends[sample].cache_dir_vae"),
         ]

@@ -39,7 +39,7 @@ def settings_factory(tmp_path, workdir):
 def client(settings_factory):
     """TestClient from a loopback address, scheduler off (jobs stay queued)."""
     app = create_app(settings_factory(run_scheduler=False))
-    with TestClient(app, client=LOOPBACK) as c:
+    with TestClient(app, client=LOOPBACK, base_url="http://127.0.0.1") as c:
         yield c
 
 

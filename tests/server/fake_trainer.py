@@ -6,9 +6,13 @@ reports through the real WebhookReporter, and behaves as ``tracker_run_name`` sa
 - ``hang``: report running, then sleep until killed (ignores nothing; SIGTERM exits 143 like the trainer)
 - ``stubborn``: like hang but ignores SIGTERM (needs SIGKILL), and starts a child in its process group
 - ``flood``: ``max_train_steps`` progress events as fast as possible (benchmarks)
+- ``resume``: checkpoints like the trainer (``checkpoint-N`` every ``checkpointing_steps``, continues from the
+  newest one when ``resume_from_checkpoint`` is "latest") and kills itself (SIGKILL) at the step that
+  ``tracker_project_name`` names: ``crash-at-5`` once per run, ``crash-always-at-5`` on every attempt
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +26,39 @@ PNG = bytes.fromhex(
     "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
     "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
 )
+
+
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"  # a whole safetensors file holding no tensors
+
+
+def resumable(cfg: dict, out: Path, steps: int, reporter) -> int:
+    every = int(cfg.get("checkpointing_steps") or 2)
+    plan = str(cfg.get("tracker_project_name") or "")
+    crash_at = int(plan.rsplit("-", 1)[1]) if plan.startswith("crash-") else None
+    done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "training_state.json").exists())
+    start = done[-1] if done and cfg.get("resume_from_checkpoint") == "latest" else 0
+    print(f"fake trainer: starting at step {start}", flush=True)
+    for step in range(start + 1, steps + 1):
+        with (out / "steps.log").open("a") as fh:
+            fh.write(f"{step}\n")
+        reporter.progress(step, steps, 1.0 / step, 1e-4, 50.0, 0.0)
+        marker = out.parent / f"crashed-{step}"  # beside the output, which a start-over moves aside
+        if step == crash_at and (plan.startswith("crash-always") or not marker.exists()):
+            marker.write_text("1")
+            reporter.close(5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step % every == 0:
+            ckpt = out / f"checkpoint-{step}"
+            ckpt.mkdir(exist_ok=True)
+            (ckpt / "training_state.json").write_text(json.dumps({"global_step": step}))
+            reporter.checkpoint(step, ckpt)
+    lora = out / "pytorch_lora_weights.safetensors"
+    lora.write_bytes(EMPTY_SAFETENSORS)
+    summary = {"lora_path": str(lora), "output_dir": str(out), "steps": steps, "started_at_step": start}
+    (out / "run_summary.json").write_text(json.dumps(summary))
+    reporter.status("succeeded", **summary)
+    reporter.close(10)
+    return 0
 
 
 def main() -> int:
@@ -56,6 +93,8 @@ def main() -> int:
         reporter.close(120)
         print(f"fake trainer: sent {reporter.sent} in {time.perf_counter() - t0:.3f}s", flush=True)
         return 0
+    if mode == "resume":
+        return resumable(cfg, out, steps, reporter)
     if mode == "fail":
         try:
             raise RuntimeError("CUDA out of memory (pretend)")
@@ -79,7 +118,7 @@ def main() -> int:
     reporter.image("validation", steps, img, prompt="a cat", nickname="cat", resolution=(1, 1))
     reporter.scores(steps, {"clip_score": 0.31})
     lora = out / "pytorch_lora_weights.safetensors"
-    lora.write_bytes(b"fake")
+    lora.write_bytes(EMPTY_SAFETENSORS)
     summary = {"final_loss": loss, "lora_path": str(lora), "output_dir": str(out), "steps": steps}
     (out / "run_summary.json").write_text(json.dumps(summary))
     reporter.status("succeeded", **summary)

@@ -29,14 +29,14 @@ def test_remote_without_token_is_401(remote, method, path):
 def test_remote_with_token(remote):
     assert remote.get("/api/jobs", headers={"Authorization": "Bearer test-token"}).status_code == 200
     assert remote.get("/api/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert remote.get("/api/jobs?token=test-token").status_code == 200  # EventSource can't send headers
     assert remote.get("/api/health").status_code == 200  # liveness stays open
 
 
 def test_loopback_trusted_unless_required(settings_factory):
-    with TestClient(create_app(settings_factory(run_scheduler=False)), client=LOOPBACK) as c:
+    loopback = {"client": LOOPBACK, "base_url": "http://127.0.0.1"}
+    with TestClient(create_app(settings_factory(run_scheduler=False)), **loopback) as c:
         assert c.get("/api/jobs").status_code == 200
-    with TestClient(create_app(settings_factory(run_scheduler=False, require_token=True)), client=LOOPBACK) as c:
+    with TestClient(create_app(settings_factory(run_scheduler=False, require_token=True)), **loopback) as c:
         assert c.get("/api/jobs").status_code == 401
         assert c.get("/api/jobs", headers={"Authorization": "Bearer test-token"}).status_code == 200
 

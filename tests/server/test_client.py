@@ -9,13 +9,18 @@ from simpletuner.server import cli as server_cli
 from simpletuner.server import client as jobs_cli
 from simpletuner.server.client import parse_sse
 
-from tests.server.helpers import data_backends, train_config
+from tests.server.helpers import data_backends, job_body, train_config
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _jobs(srv, *argv, token=None):
-    args = ["jobs", "--server", srv.url] + (["--token", token] if token else []) + list(argv)
+    token_args = []
+    if token:
+        token_file = srv.settings.data_dir / "client-token"
+        token_file.write_text(token + "\n")
+        token_args = ["--token-file", str(token_file)]
+    args = ["jobs", "--server", srv.url] + token_args + list(argv)
     return jobs_cli.run(_build_parser("jobs").parse_args(args))
 
 
@@ -55,7 +60,9 @@ def test_errors_are_readable(live_server, tmp_path, capsys):
     assert _jobs(srv, "submit", "--config", str(cfg), token="test-token") == 2
     err = capsys.readouterr().err
     assert "HTTP 422" in err and "train_config.learning_rate" in err
-    assert _jobs(srv, "list", token="test-token") == 0  # --token after the action works too
+    token_file = srv.settings.data_dir / "client-token"
+    assert jobs_cli.run(_build_parser("jobs").parse_args(
+        ["jobs", "--server", srv.url, "list", "--token-file", str(token_file)])) == 0  # after the action too
 
 
 def test_unreachable_server(capsys):
@@ -76,8 +83,50 @@ def test_server_args_to_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("SIMPLETUNER_SERVER_JOB_COMMAND", '["{python}", "x.py"]')
     args = _build_parser("server").parse_args([
         "server", "--port", "9000", "--data-dir", str(tmp_path), "--db-url", "sqlite:///x.db",
-        "--max-concurrent", "3", "--require-token", "--allowed-root", str(tmp_path), "--token", "t"])
+        "--max-concurrent", "3", "--require-token", "--allowed-root", str(tmp_path),
+        "--token-file", str(tmp_path / "token")])
+    (tmp_path / "token").write_text("t\n")
     s = server_cli.settings_from_args(args)
-    assert (s.port, s.max_concurrent, s.require_token, s.token, s.db_url) == (9000, 3, True, "t", "sqlite:///x.db")
+    assert (s.port, s.max_concurrent, s.require_token, s.db_url) == (9000, 3, True, "sqlite:///x.db")
+    assert s.resolve_token() == ("t", False)
     assert s.resolved_allowed_roots() == [tmp_path.resolve()] and s.job_command == ["{python}", "x.py"]
     assert s.webhook_base_url() == "http://127.0.0.1:9000"
+
+
+def test_a_token_on_the_command_line_is_refused(tmp_path, capsys):
+    """ps shows every user the command lines of every process: the token comes from the env or a file."""
+    args = _build_parser("server").parse_args(["server", "--data-dir", str(tmp_path), "--token", "s3cret"])
+    with pytest.raises(SystemExit, match="SIMPLETUNER_API_TOKEN"):
+        server_cli.settings_from_args(args)
+    args = _build_parser("jobs").parse_args(["jobs", "--server", "http://127.0.0.1:9", "--token", "s3cret", "list"])
+    assert jobs_cli.run(args) == 2
+    assert "--token-file" in capsys.readouterr().err
+
+
+def test_set_overrides_a_key_the_config_spells_with_dashes(live_server, workdir, tmp_path, monkeypatch, capsys):
+    """`--set max_train_steps=2` on a config holding "--max_train_steps" (and TRAINER_EXTRA_ARGS) was refused as
+    "given twice"; an override must override."""
+    srv = live_server(run_scheduler=False)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"--model_family": "flux", "--model_flavour": "tiny", "--max_train_steps": 50,
+                               "TRAINER_EXTRA_ARGS": "--lora_rank=8 --learning-rate=1e-3",
+                               "--data_backend_config": str(tmp_path / "mdb.json")}))
+    (tmp_path / "mdb.json").write_text(json.dumps(data_backends(str(workdir / "imgs"))))
+    monkeypatch.chdir(tmp_path)
+    assert _jobs(srv, "submit", "--config", str(cfg), "--set", "max_train_steps=2", "--set", "lora_rank=4",
+                 "--set", "learning_rate=5e-4") == 0, capsys.readouterr().err
+    frozen = srv.http.get("/api/jobs/1").json()["train_config"]
+    assert (frozen["max_train_steps"], frozen["lora_rank"], frozen["learning_rate"]) == (2, 4, 5e-4)
+
+
+def test_jobs_retry_continues_the_run(live_server, capsys):
+    srv = live_server()
+    body = job_body(train={"tracker_run_name": "resume", "max_train_steps": 9, "checkpointing_steps": 3,
+                           "tracker_project_name": "crash-at-7"})
+    job = srv.http.post("/api/jobs", json=body).json()
+    srv.wait_status(job["id"], "failed")
+    assert _jobs(srv, "retry", str(job["id"]), "--wait") == 0
+    out = capsys.readouterr().out
+    assert "resumes from step 6" in out and f"job {job['id']} succeeded" in out
+    assert _jobs(srv, "retry", str(job["id"]), "--start-over") == 0
+    assert "starts over" in capsys.readouterr().out

@@ -64,7 +64,7 @@ BAD_CONFIGS = [
     ({"model_family": "flux", "lora_dropout": 1.5}, None, "train_config.lora_dropout"),
     ({"model_flavour": "tiny"}, None, "train_config.model_family"),
     ({"model_family": "flux", "output_dir": "/etc/evil"}, None, "train_config.output_dir"),
-    ({"model_family": "flux", "--cache_dir": "../../outside"}, None, "train_config.cache_dir"),
+    ({"model_family": "flux", "--init_lora": "../../outside/l.safetensors"}, None, "train_config.init_lora"),
     ({"model_family": "flux"}, [{"id": "d", "instance_data_dir": "/etc"}], "data_backends[d].instance_data_dir"),
     ({"model_family": "flux"}, [{"id": "d", "instance_data_dir": "imgs", "resolution": "big"}],
      "data_backends[d].resolution"),

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 import threading
 
 import pytest
@@ -72,27 +71,12 @@ def test_restore_brings_back_optimizer_rng_and_position(tmp_path):
     assert meta["global_step"] == 8 and meta["world_size"] == 1 and meta["sharded_optimizer"] is False
 
 
-def test_nothing_is_unpickled_on_resume(tmp_path):
-    """A checkpoint file that needs pickle to load (e.g. a planted object) is refused, not executed."""
-    model, opt, sched = _parts()
-    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
-                                lr_scheduler=sched, total_limit=None)
-
-    class Planted:
-        def __reduce__(self):
-            return (print, ("owned",))
-
-    torch.save({"state": {}, "param_groups": [], "x": Planted()}, path / "optimizer.pt")
-    with pytest.raises(pickle.UnpicklingError):
-        ckpt.load_checkpoint(path, _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2])
-
-
 def test_damaged_training_state_names_the_file(tmp_path):
     model, opt, sched = _parts()
     path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
                                 lr_scheduler=sched, total_limit=None)
     (path / "training_state.json").write_text("")
-    with pytest.raises(ValueError, match=r"checkpoint-3/training_state.json: not a readable training state"):
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"checkpoint-3/training_state.json: empty or damaged"):
         ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)
 
 
@@ -146,3 +130,124 @@ def test_replicated_optimizer_is_saved_once(tmp_path):
     with pytest.raises(FileNotFoundError, match="no RNG state for process 2"):
         ckpt.load_checkpoint(tmp_path / "checkpoint-4", _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2],
                              rank=2, world_size=3)
+
+
+def _save(root, step, model, opt, sched, seed=1):
+    return ckpt.save_checkpoint(root, _state(step, seed=seed, batch_in_epoch=step), trainable=dict(model.named_parameters()),
+                                optimizer=opt, lr_scheduler=sched, total_limit=None)
+
+
+def _resume(root, which="latest"):
+    model, opt, sched = _parts()
+    state = _state(0)
+    found = ckpt.resume(root, which, state, optimizer=opt, lr_scheduler=sched)
+    return None if found is None else (*found, state)
+
+
+def _truncate(path, keep=40):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda c: _truncate(c / "trainable.safetensors"),
+    lambda c: _truncate(c / "optimizer.pt"),
+    lambda c: (c / "scheduler.pt").write_bytes(b""),
+    lambda c: (c / "rng.pt").unlink(),
+    lambda c: (c / "training_state.json").write_text(""),
+    lambda c: (c / "training_state.json").write_text("{not json"),
+], ids=["truncated-weights", "truncated-optimizer", "empty-scheduler", "missing-rng", "empty-state", "corrupt-state"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
+    model, opt, sched = _parts()
+    _save(tmp_path, 5, model, opt, sched)
+    newest = _save(tmp_path, 10, model, opt, sched)
+    damage(newest)
+    with caplog.at_level("WARNING"):
+        path, weights, state = _resume(tmp_path)
+    assert path.name == "checkpoint-5" and state.global_step == 5 and state.batch_in_epoch == 5
+    assert str(newest) in caplog.text  # the warning names the damaged file
+
+
+def test_a_damaged_rank_file_is_judged_alike_by_every_rank(tmp_path):
+    """Rank 0 reads rank 1's RNG file too: a checkpoint one rank cannot resume is skipped by all."""
+    model, opt, sched = _parts()
+    _save_as_ranks(tmp_path, world=2, sharded=False)
+    newest = max(ckpt.list_checkpoints(tmp_path), key=lambda p: int(p.name.split("-")[1]))
+    _truncate(newest / "rng-rank1.pt")
+    for rank in (0, 1):
+        found = ckpt.resume(tmp_path, "latest", _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2],
+                            rank=rank, world_size=2)
+        assert found is None or found[0] != newest
+
+
+def test_a_damaged_named_checkpoint_is_an_error_naming_the_file(tmp_path):
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched)
+    (path / "training_state.json").write_text("")
+    with pytest.raises(ckpt.CheckpointDamaged, match=str(path / "training_state.json")):
+        _resume(tmp_path, str(path))
+
+
+def test_every_checkpoint_damaged_means_a_fresh_start(tmp_path):
+    model, opt, sched = _parts()
+    _truncate(_save(tmp_path, 5, model, opt, sched) / "trainable.safetensors")
+    assert _resume(tmp_path) is None
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded (what weights_only=False would do with a planted optimizer.pt)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_never_unpickles_code(tmp_path):
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched)
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": [], "x": _RunsCode(marker)}, path / "optimizer.pt")
+    with pytest.raises(ckpt.CheckpointDamaged, match="optimizer.pt"):
+        _resume(tmp_path, str(path))
+    with pytest.raises(ckpt.CheckpointDamaged, match="optimizer.pt"):  # the function every resume goes through
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)
+    assert _resume(tmp_path) is None  # 'latest' skips it as damaged
+    assert not marker.exists()
+
+
+def test_write_json_is_atomic(tmp_path):
+    target = tmp_path / "run_summary.json"
+    ckpt.write_json(target, {"a": 1})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["run_summary.json"]
+
+
+def test_the_save_failpoint_dies_mid_save_and_the_next_start_recovers(tmp_path):
+    """A real SIGKILL halfway through writing checkpoint-10 (the crash drill's failpoint) in a child process."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.state import RunState
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.AdamW(model.parameters())
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+for step in (5, 10):
+    ckpt.save_checkpoint({str(tmp_path)!r}, RunState(generator=torch.Generator(), global_step=step),
+                         trainable=dict(model.named_parameters()), optimizer=opt, lr_scheduler=sched, total_limit=None)
+"""
+    env = {**os.environ, "SIMPLETUNER_FAILPOINT": "checkpoint.save:10",
+           "SIMPLETUNER_FAILPOINT_ONCE": str(tmp_path / "fired")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert (tmp_path / ".checkpoint-10.tmp").is_dir() and not (tmp_path / "checkpoint-10").exists()
+    assert [p.name for p in ckpt.remove_incomplete(tmp_path)] == [".checkpoint-10.tmp"]
+    path, _, state = _resume(tmp_path)
+    assert path.name == "checkpoint-5" and state.global_step == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5", "fired"]

@@ -83,3 +83,19 @@ def test_init_lora_of_another_shape_is_refused(setup, tmp_path):
     with pytest.raises(Exception, match="size|shape"):
         add_lora(adapter.load_transformer(), adapter,
                  flux_config(init_lora=str(tmp_path / "pytorch_lora_weights.safetensors")))
+
+
+def test_init_lora_is_never_unpickled(setup, tmp_path):
+    """A pickled "LoRA" (which could run code when loaded) is refused by name; only safetensors are read."""
+    import os
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    planted = tmp_path / "lora.safetensors"
+    torch.save({"transformer.x.lora_A.weight": RunsCode()}, planted)
+    _, adapter, _, _ = setup
+    with pytest.raises(ValueError, match=f"init_lora: {planted} is not a readable .safetensors file"):
+        add_lora(adapter.load_transformer(), adapter, flux_config(init_lora=str(planted)))
+    assert not (tmp_path / "pwned").exists()

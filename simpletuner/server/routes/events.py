@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, AsyncIterator
 
@@ -88,7 +89,8 @@ def _status_of(db, job_id: int) -> str | None:
 
 
 def _start_id(last_event_id: str | None, after: int | None, default: int) -> int:
-    if last_event_id and last_event_id.strip().isdigit():
+    # ASCII digits only: str.isdigit() also takes "²" or "١", which int() then refuses (a 500)
+    if last_event_id and re.fullmatch(r"[0-9]{1,19}", last_event_id.strip()):
         return min(int(last_event_id.strip()), MAX_ID)
     if after is not None:
         return after

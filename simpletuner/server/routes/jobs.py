@@ -12,7 +12,9 @@ from sqlalchemy import delete, func, select
 
 from .. import deps
 from ..db import FINISHED, JobEventRow, JobRow
-from ..schemas import CONFLICT, ERRORS, MAX_ID, NOT_FOUND, FileOut, JobCreate, JobDetail, JobList, JobOut, JobPatch
+from ..queue import RetryConflict
+from ..schemas import (CONFLICT, ERRORS, MAX_ID, NOT_FOUND, FileOut, JobCreate, JobDetail, JobList, JobOut, JobPatch,
+                       JobRetry)
 from ..validation import FieldProblem, InvalidConfig
 from .configs import load_version
 
@@ -61,12 +63,11 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
     else:
         train_config, data_backends = dict(body.train_config or {}), list(body.data_backends or [])
         prompt_library, config_name, config_version = body.prompt_library, None, None
-    if body.overrides:
-        train_config.update(body.overrides)
     problem = mgr.capacity_problem(body.num_processes)
     if problem:
         raise InvalidConfig([FieldProblem("num_processes", problem)])
-    checked = deps.check(request, train_config, data_backends, prompt_library)
+    # overrides win over every spelling of their key (--key, TRAINER_EXTRA_ARGS), as on the command line
+    checked = deps.check(request, train_config, data_backends, prompt_library, overrides=body.overrides)
     job = mgr.submit(
         name=body.name or config_name or "",
         config_name=config_name,
@@ -77,6 +78,7 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
         priority=body.priority,
         num_processes=body.num_processes,
         retry_on_restart=body.retry_on_restart,
+        max_retries=body.max_retries,
     )
     with deps.db(request).session() as s:
         return job_out(_get(s, job.id), _positions(s), warnings=checked.warnings)
@@ -136,6 +138,20 @@ def cancel_job(job_id: JobId, request: Request) -> JobOut:
     mgr.cancel(job_id)
     with deps.db(request).session() as s:
         return job_out(_get(s, job_id), _positions(s))
+
+
+@router.post("/{job_id}/retry", response_model=JobOut, responses={**NOT_FOUND, **CONFLICT},
+             summary="Retry a finished job: the same run continues from its newest valid checkpoint "
+                     "(or starts over)")
+def retry_job(job_id: JobId, request: Request, body: JobRetry | None = None) -> JobOut:
+    try:
+        job = deps.manager(request).retry(job_id, start_over=bool(body and body.start_over))
+    except RetryConflict as exc:
+        raise HTTPException(409, str(exc)) from None
+    if job is None:
+        raise deps.not_found(f"job {job_id}")
+    with deps.db(request).session() as s:
+        return job_out(job, _positions(s))  # as re-queued (the scheduler may have started it already)
 
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, responses={**NOT_FOUND, **CONFLICT},

@@ -6,22 +6,51 @@ import sys
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 
 from simpletuner import __version__
 
 from .. import deps
-from ..auth import require_auth
+from ..auth import SESSION_COOKIE, require_auth, session_value
 from ..db import JobRow
 from ..schemas import ERRORS, HealthOut, SystemOut
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/api/health", response_model=HealthOut, summary="Liveness (no token needed)")
-def health() -> HealthOut:
+@router.get("/api/health", response_model=HealthOut, responses={503: {"model": HealthOut}},
+            summary="Health: the server answers and its database reads (no token needed)")
+def health(request: Request):
+    db = deps.db(request)
+    try:
+        db.probe()
+        if request.app.state.db_error is not None:  # a request met a database error: look at the whole file
+            db.check_integrity()
+            request.app.state.db_error = None
+    except Exception as exc:  # the driver's errors, DatabaseDamaged
+        detail = str(getattr(exc, "orig", None) or exc)
+        return JSONResponse(status_code=503, content=HealthOut(status="error", detail=detail).model_dump())
     return HealthOut()
+
+
+@router.post("/api/session", status_code=204, responses=ERRORS, dependencies=[Depends(require_auth)],
+             summary="Start a web UI session: a cookie (HttpOnly, SameSite=Strict) that stands for the token")
+def start_session(request: Request) -> Response:
+    response = Response(status_code=204)
+    token = request.app.state.token
+    if token:  # EventSource and <img> cannot send the Authorization header; they send this cookie instead
+        response.set_cookie(SESSION_COOKIE, session_value(token), httponly=True, samesite="strict", path="/",
+                            secure=request.url.scheme == "https")
+    return response
+
+
+@router.delete("/api/session", status_code=204, summary="End the web UI session (drop its cookie)")
+def end_session() -> Response:
+    response = Response(status_code=204)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
 
 
 def _redact(url: str) -> str:

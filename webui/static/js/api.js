@@ -16,8 +16,22 @@ export class ApiError extends Error {
   }
 }
 
+/** With a token, a session cookie (HttpOnly) first: EventSource, <img> and download links cannot send the
+ *  Authorization header, and a token in a URL is refused (URLs end up in logs). */
+async function startSession() {
+  const t = token();
+  if (!t) return;
+  try {
+    const res = await fetch("/api/session", { method: "POST", headers: { Authorization: `Bearer ${t}` } });
+    if (res.status === 401) askToken();
+  } catch { /* offline: the API calls report it */ }
+}
+
+export const sessionReady = startSession();
+
 /** fetch() a JSON API route; throws ApiError (with .errors = [{path, message}]) on a non-2xx answer. */
 export async function api(path, { method = "GET", body, raw = false } = {}) {
+  await sessionReady;
   const headers = {};
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const t = token();
@@ -32,13 +46,6 @@ export async function api(path, { method = "GET", body, raw = false } = {}) {
   if (raw) return res;
   if (res.status === 204) return null;
   return res.json();
-}
-
-/** A URL carrying the token as ?token= (for EventSource and <img>, which cannot send headers). */
-export function withToken(url) {
-  const t = token();
-  if (!t) return url;
-  return `${url}${url.includes("?") ? "&" : "?"}token=${encodeURIComponent(t)}`;
 }
 
 export function askToken() {
@@ -58,7 +65,8 @@ function setupToken() {
     if (dialog.returnValue !== "save") return;
     const value = document.getElementById("token-input").value.trim();
     if (value) localStorage.setItem(TOKEN_KEY, value); else localStorage.removeItem(TOKEN_KEY);
-    location.reload();
+    // a new token gets a new session cookie on reload; none drops the old one
+    (value ? Promise.resolve() : fetch("/api/session", { method: "DELETE" })).finally(() => location.reload());
   });
 }
 
@@ -147,9 +155,11 @@ export function setProgress(bar, step, total) {
 export const EVENT_TYPES = ["progress", "checkpoint", "image", "scores", "status", "error", "log", "job"];
 
 /** Follow an SSE URL; onEvent(parsed) for each event, onState("live"|"retry"|"closed"). EventSource resumes
- *  by itself after a dropped connection, sending Last-Event-ID, so nothing is missed. */
-export function follow(url, { onEvent, onState = () => {}, onEnd = () => {} }) {
-  const source = new EventSource(withToken(url));
+ *  by itself after a dropped connection, sending Last-Event-ID, so nothing is missed. It authenticates with the
+ *  session cookie (see startSession). */
+export async function follow(url, { onEvent, onState = () => {}, onEnd = () => {} }) {
+  await sessionReady;
+  const source = new EventSource(url);
   const handle = (e) => {
     if (e.data === undefined) return; // the connection's own "error" event
     let parsed;

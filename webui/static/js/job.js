@@ -2,7 +2,7 @@
 // connection with Last-Event-ID), drawing progress, charts, images, checkpoints and the activity list.
 
 import {
-  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast, withToken,
+  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { LineChart } from "./chart.js";
 
@@ -61,6 +61,7 @@ function renderJob() {
   cancel.disabled = job.cancel_requested;
   cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel";
   document.getElementById("retry-button").hidden = !FINISHED.has(job.status);
+  document.getElementById("start-over-button").hidden = !FINISHED.has(job.status);
   if (job.progress) applyProgress(job.progress);
   else if (job.status === "queued") {
     document.getElementById("progress-label").textContent = job.queue_position ? `queued, #${job.queue_position} in line` : "queued";
@@ -85,7 +86,7 @@ function renderJob() {
     if (job.log_tail) errorBox.append(el("details", {}, el("summary", {}, "last log lines"), el("pre", {}, job.log_tail)));
     errorBox.hidden = false;
   }
-  document.getElementById("log-download").href = withToken(`/api/jobs/${job.id}/files/train.log`);
+  document.getElementById("log-download").href = `/api/jobs/${job.id}/files/train.log`;
 }
 
 function refreshJobSoon(ms = 300) {
@@ -119,12 +120,12 @@ function imageFigure(d, caption) {
   const figure = el("figure", { "data-step": d.step, "data-prompt": promptKey(d) });
   if (d.video_url) {
     // a video family's validation: the mp4, playable, with its first frame as the poster
-    const attrs = { src: withToken(d.video_url), controls: "", loop: "", muted: "", playsinline: "", preload: "metadata",
+    const attrs = { src: d.video_url, controls: "", loop: "", muted: "", playsinline: "", preload: "metadata",
       class: "validation-video", "aria-label": `${d.kind || "validation"} video, ${caption}` };
-    if (d.image_url) attrs.poster = withToken(d.image_url);
+    if (d.image_url) attrs.poster = d.image_url;
     figure.append(el("video", attrs));
   } else if (d.image_url) {
-    const src = withToken(d.image_url);
+    const src = d.image_url;
     figure.append(el("a", { href: src, target: "_blank", rel: "noopener", "aria-label": `open ${caption} full size` },
       el("img", { src, alt: `${d.kind || "validation"} image, ${caption}`, loading: "lazy" })));
   } else {
@@ -297,7 +298,7 @@ function rel(path) {
 }
 
 function fileLink(f) {
-  return el("a", { href: withToken(`/api/jobs/${jobId}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`), download: f.path.split("/").pop() }, f.path);
+  return el("a", { href: `/api/jobs/${jobId}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`, download: f.path.split("/").pop() }, f.path);
 }
 
 function renderCheckpoints() {
@@ -347,12 +348,16 @@ function loadFilesSoon() {
 document.getElementById("cancel-button").addEventListener("click", async () => {
   try { await api(`/api/jobs/${jobId}/cancel`, { method: "POST" }); toast("Cancel requested."); refreshJobSoon(0); } catch (e) { toast(e.message, { error: true }); }
 });
-document.getElementById("retry-button").addEventListener("click", async () => {
-  const body = job.config_name
-    ? { config_name: job.config_name, config_version: job.config_version, name: job.name, priority: job.priority, num_processes: job.num_processes }
-    : { train_config: job.train_config, data_backends: job.data_backends, prompt_library: job.prompt_library, name: job.name, priority: job.priority, num_processes: job.num_processes };
-  try { const created = await api("/api/jobs", { method: "POST", body }); location.href = `/jobs/${created.id}`; } catch (e) { toast(e.message, { error: true }); }
-});
+// Retry continues this job's run from its newest checkpoint; Start over begins again at step 0 (the old output
+// stays in the run dir). Either way the page reloads to follow the new attempt.
+async function retry(startOver) {
+  try {
+    await api(`/api/jobs/${jobId}/retry`, { method: "POST", body: { start_over: startOver } });
+    location.reload();
+  } catch (e) { toast(e.message, { error: true }); }
+}
+document.getElementById("retry-button").addEventListener("click", () => retry(false));
+document.getElementById("start-over-button").addEventListener("click", () => retry(true));
 document.getElementById("gallery-prompt").addEventListener("change", applyPromptFilter);
 
 function liveState(state) {

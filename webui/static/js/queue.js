@@ -42,14 +42,11 @@ async function act(url, method, done) {
   }
 }
 
+// Retry re-queues the same job: it continues its run from the newest checkpoint (the job page can start over).
 async function retry(job) {
   try {
-    const detail = await api(`/api/jobs/${job.id}`);
-    const body = detail.config_name
-      ? { config_name: detail.config_name, config_version: detail.config_version, name: detail.name, priority: detail.priority, num_processes: detail.num_processes }
-      : { train_config: detail.train_config, data_backends: detail.data_backends, prompt_library: detail.prompt_library, name: detail.name, priority: detail.priority, num_processes: detail.num_processes };
-    const created = await api("/api/jobs", { method: "POST", body });
-    toast(`Queued job ${created.id} (a retry of ${job.id}).`, { link: { href: `/jobs/${created.id}`, text: "Open" } });
+    const queued = await api(`/api/jobs/${job.id}/retry`, { method: "POST", body: { start_over: false } });
+    toast(`Job ${job.id} queued again: ${queued.reason || "retrying"}.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
     scheduleRefresh(0);
   } catch (e) {
     toast(e.errors.length ? `${e.errors[0].path}: ${e.errors[0].message}` : e.message, { error: true, ms: 9000 });
@@ -117,8 +114,10 @@ form.addEventListener("submit", async (e) => {
   clearErrors(form);
   if (!select.value) { showErrors(form, [{ path: "config_name", message: "choose a config (or create one first)" }]); select.focus(); return; }
   const priorityText = document.getElementById("submit-priority").value.trim() || "0";
+  const retriesText = document.getElementById("submit-retries").value.trim() || "0";
+  const whole = (text) => (/^[-+]?\d+$/.test(text) ? parseInt(text, 10) : text); // else the server names the field
   const body = { config_name: select.value, name: document.getElementById("submit-name").value.trim(),
-    priority: /^[-+]?\d+$/.test(priorityText) ? parseInt(priorityText, 10) : priorityText,
+    priority: whole(priorityText), max_retries: whole(retriesText),
     num_processes: processesFor(gpuPreference(), accelerators) };
   try {
     const job = await api("/api/jobs", { method: "POST", body });

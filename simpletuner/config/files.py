@@ -1,0 +1,37 @@
+"""Torch-free checks of files the trainer writes, shared by the server (reconciling a run from its folder) and the
+data layer (cache entries)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+
+def safetensors_intact(path: str | os.PathLike[str]) -> bool:
+    """Whether a .safetensors file is whole: its header parses and the file is exactly as long as the header says.
+    Reads the header only; a truncated or garbled file fails (bit flips inside the data do not)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return False
+            (length,) = struct.unpack("<Q", head)
+            size = os.fstat(fh.fileno()).st_size
+            if length > size - 8:
+                return False
+            header = json.loads(fh.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + length + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
+
+
+def read_json(path: str | os.PathLike[str]) -> dict | None:
+    """A JSON object from ``path``, or None when it is missing, empty, cut short or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
