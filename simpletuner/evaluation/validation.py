@@ -120,7 +120,7 @@ class ValidationRunner:
         self.negative_prompt = config.validation_negative_prompt or ""
 
     def negative_needed(self) -> bool:
-        return self.config.validation_guidance_real > 1
+        return self.adapter.uses_negative_prompt(self.config.validation_guidance, self.config.validation_guidance_real)
 
     def run(self, transformer, prompts: list[ValidationPrompt], resolutions: list[tuple[int, int]],
             step: int) -> list[ValidationImage]:
@@ -155,8 +155,8 @@ class ValidationRunner:
         )
         every = self.config.validation_preview_steps
         if self.preview_decoder is not None:
-            kwargs["callback_on_step_end"] = self._preview_callback(item, width, height, step, folder, every)
-            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+            kwargs.update(self.adapter.preview_callback_kwargs(
+                self._preview_callback(item, width, height, step, folder, every)))
         generator = torch.Generator("cpu").manual_seed(self.seed)
         with self.autocast():
             out = pipeline(height=height, width=width, num_inference_steps=self.config.validation_num_inference_steps,
@@ -166,10 +166,10 @@ class ValidationRunner:
     def _preview_callback(self, item: ValidationPrompt, width: int, height: int, step: int, folder: Path, every: int):
         previews = folder / "previews"
 
-        def callback(pipe, index, timestep, callback_kwargs):
+        def callback(index, pipeline_latents):
             done = index + 1
             if done % every == 0:
-                latents = self.adapter.preview_latents(callback_kwargs["latents"], height, width)
+                latents = self.adapter.preview_latents(pipeline_latents, height, width)
                 decoder = self.preview_decoder
                 pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
                 previews.mkdir(parents=True, exist_ok=True)
@@ -177,6 +177,5 @@ class ValidationRunner:
                 to_pil(pixels).save(path)
                 if self.on_preview is not None:
                     self.on_preview(PreviewImage(item.nickname, item.prompt, (width, height), done, path), step)
-            return {}
 
         return callback

@@ -313,6 +313,23 @@ class ModelAdapter(metaclass=_AdapterMeta):
         distinguishes the two. Non-tensor arguments (lengths, guidance) must also be right for a call with
         ``prompt=`` instead of the embeddings."""
 
+    def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+        """Whether validation at these scales runs classifier-free guidance against the negative prompt, so its
+        embedding is cached and handed to ``validation_pipeline_kwargs``. The default is Flux's: only true CFG
+        (``guidance_real`` > 1); a family whose pipeline runs CFG at ``guidance_scale`` > 1 says so here."""
+        return guidance_real > 1
+
+    def preview_callback_kwargs(self, on_latents) -> dict:
+        """Pipeline keyword arguments that call ``on_latents(step_index, latents)`` after each denoising step with
+        the pipeline's latents (diffusers' ``callback_on_step_end``; a pipeline with the older ``callback`` API
+        overrides this)."""
+
+        def callback(pipe, index, timestep, callback_kwargs):
+            on_latents(index, callback_kwargs["latents"])
+            return {}
+
+        return {"callback_on_step_end": callback, "callback_on_step_end_tensor_inputs": ["latents"]}
+
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents in the training layout (B, C, h, w) -> the pipeline's ``latents=`` argument (and the layout of
         what it hands its scheduler)."""

@@ -102,7 +102,8 @@ class Evaluator:
     def captions(self) -> list[str]:
         """Every text the evaluator needs embedded: validation prompts, the negative prompt, eval captions."""
         texts = [p.prompt for p in self.prompts] if self.validating else []
-        if self.validating and self.config.validation_guidance_real > 1:
+        if self.validating and self.adapter.uses_negative_prompt(self.config.validation_guidance,
+                                                                 self.config.validation_guidance_real):
             texts.append(self.config.validation_negative_prompt or "")
         if self.evaluating:
             texts += [s.caption for _, ds in self.eval_datasets for s in ds.samples]

@@ -6,6 +6,7 @@ the family's own tiny checkpoint through the family's own diffusers pipeline:
 
 - the tiny flavour is in the diffusers layout, deterministic, and loads with the pipeline's ``from_pretrained``;
 - the adapter's prediction equals what the pipeline hands its scheduler, from cached embeddings and from a prompt;
+- live previews decode exactly the latents the pipeline's VAE decodes (or the family has no preview decoder);
 - every LoRA preset targets real modules; a 3-step LoRA run through the real trainer saves a LoRA that the pipeline
   loads as its users load it and that reproduces the trained model's prediction;
 - cache identities change when an encoder changes, and only then;
@@ -123,6 +124,32 @@ class FamilyContract:
         theirs = captured[0]
         assert ours.shape == theirs.shape
         assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
+
+    def test_previews_decode_what_the_pipeline_decodes(self, adapter, transformer, text):
+        """The latents the pipeline hands its step callback, through ``preview_latents``, are exactly what the
+        pipeline's own VAE decodes at the end, and the family's Tiny AutoEncoder turns them into an image of the
+        validation size (or the family says it has none)."""
+        if adapter.preview_decoder_source() is None:
+            with pytest.raises(ValueError, match="validation_preview"):
+                adapter.load_preview_decoder()
+            return
+        decoder = adapter.load_preview_decoder()
+        pipe = adapter.build_validation_pipeline(transformer)
+        pipe.set_progress_bar_config(disable=True)
+        height, width = _size(adapter), 2 * _size(adapter)  # not square: catches swapped sides
+        steps, decoded = [], []
+        kwargs = adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0)
+        kwargs.update(adapter.preview_callback_kwargs(lambda index, latents: steps.append((index, latents))))
+        vae_decode = pipe.vae.decode
+        pipe.vae.decode = lambda z, *a, **k: decoded.append(z) or vae_decode(z, *a, **k)
+        with torch.no_grad():
+            pipe(height=height, width=width, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **kwargs)
+            preview = adapter.preview_latents(steps[-1][1], height, width)
+            pixels = decoder.decode(preview.to(decoder.dtype)).sample
+        assert [index for index, _ in steps] == [0, 1]
+        assert torch.allclose(preview.float(), decoded[-1].float(), atol=1e-6)
+        assert pixels.shape == (1, 3, height, width) and torch.isfinite(pixels).all()
 
     def test_every_lora_preset_targets_real_modules(self, family, adapter, transformer):
         from peft import LoraConfig, inject_adapter_in_model
