@@ -88,12 +88,29 @@ FLUX = ModelFamily(
     num_text_encoders=2,
 )
 
-_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
+SD3 = ModelFamily(
+    name="sd3",
+    description="Stability AI Stable Diffusion 3 / 3.5 (MMDiT, flow matching, CLIP-L + CLIP-G + T5-XXL text encoders)",
+    adapter="simpletuner.models.sd3:SD3Adapter",
+    flavours=MappingProxyType(
+        {
+            "medium": "stabilityai/stable-diffusion-3.5-medium",
+            "large": "stabilityai/stable-diffusion-3.5-large",
+            "3.0-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+            "tiny": None,
+        }
+    ),
+    default_flavour="medium",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    num_text_encoders=3,
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
-    "sd3",
     "auraflow",
     "pixart_sigma",
     "wan",
