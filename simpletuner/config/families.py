@@ -106,12 +106,29 @@ SD3 = ModelFamily(
     num_text_encoders=3,
 )
 
-_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3)}
+AURAFLOW = ModelFamily(
+    name="auraflow",
+    description="fal AuraFlow (6.8B MMDiT + single-stream DiT, flow matching, Pile-T5 text encoder)",
+    adapter="simpletuner.models.auraflow:AuraFlowAdapter",
+    flavours=MappingProxyType(
+        {
+            "v0.3": "terminusresearch/auraflow-v0.3",
+            "v0.2": "fal/AuraFlow-v0.2",
+            "v0.1": "fal/AuraFlow",
+            "pony": "purplesmartai/pony-v7-base",
+            "tiny": None,
+        }
+    ),
+    default_flavour="v0.3",
+    lora_targets=("all", "attention", "context", "all+ffs"),
+    default_lora_target="all",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
-    "auraflow",
     "pixart_sigma",
     "wan",
     "sdxl",
