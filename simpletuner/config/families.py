@@ -124,12 +124,30 @@ AURAFLOW = ModelFamily(
     default_lora_target="all",
 )
 
-_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW)}
+PIXART_SIGMA = ModelFamily(
+    name="pixart_sigma",
+    description="PixArt Sigma (0.6-0.9B DiT, DDPM epsilon with a learned variance, T5-XXL text encoder)",
+    adapter="simpletuner.models.pixart_sigma:PixArtSigmaAdapter",
+    flavours=MappingProxyType(
+        {
+            "900M-1024-v0.6": "terminusresearch/pixart-900m-1024-ft-v0.6",
+            "600M-512": "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
+            "600M-1024": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
+            "600M-2048": "PixArt-alpha/PixArt-Sigma-XL-2-2K-MS",
+            "tiny": None,
+        }
+    ),
+    default_flavour="900M-1024-v0.6",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+    objectives=("epsilon",),
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
-    "pixart_sigma",
     "wan",
     "sdxl",
     "sd1x",
