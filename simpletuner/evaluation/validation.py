@@ -101,17 +101,20 @@ def step_folder(output_dir: str | Path, step: int) -> Path:
 class ValidationRunner:
     """Generates one step's validation images (and previews) for a list of prompts and resolutions.
 
-    ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension);
+    ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension), and
+    ``negative_embeddings`` the negative prompt's (as the pipeline encodes negatives; ``embeddings`` if not given);
     ``preview_decoder`` is an AutoencoderTiny (or None for no previews); ``on_preview(preview, step)`` and
     ``on_image(image, step)`` are called as each preview / image is written.
     """
 
-    def __init__(self, config, adapter, embeddings: Callable[[str], dict], *, preview_decoder=None,
+    def __init__(self, config, adapter, embeddings: Callable[[str], dict], *,
+                 negative_embeddings: Callable[[str], dict] | None = None, preview_decoder=None,
                  on_preview: Callable[[PreviewImage, int], None] | None = None,
                  on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None):
         self.config = config
         self.adapter = adapter
         self.embeddings = embeddings
+        self.negative_embeddings = negative_embeddings or embeddings
         self.preview_decoder = preview_decoder
         self.on_preview = on_preview
         self.on_image = on_image
@@ -130,9 +133,9 @@ class ValidationRunner:
         with preserve_rng_state(), inference_mode(transformer):
             pipeline = self.adapter.build_validation_pipeline(transformer)
             pipeline.set_progress_bar_config(disable=True)
-            negative = self._embeddings(self.negative_prompt, transformer) if self.negative_needed() else None
+            negative = self._embeddings(self.negative_prompt, negative=True) if self.negative_needed() else None
             for item in prompts:
-                text = self._embeddings(item.prompt, transformer)
+                text = self._embeddings(item.prompt)
                 for width, height in resolutions:
                     image = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
@@ -143,10 +146,11 @@ class ValidationRunner:
                         self.on_image(result, step)
         return results
 
-    def _embeddings(self, prompt: str, transformer) -> dict[str, torch.Tensor]:
+    def _embeddings(self, prompt: str, *, negative: bool = False) -> dict[str, torch.Tensor]:
         device = self.adapter.device
+        embedding = (self.negative_embeddings if negative else self.embeddings)(prompt)
         # float32: under mixed precision autocast casts for the transformer while the VAE decodes in fp32
-        return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in self.embeddings(prompt).items()}
+        return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in embedding.items()}
 
     def _generate(self, pipeline, item, text, negative, width, height, step, folder):
         kwargs = self.adapter.validation_pipeline_kwargs(

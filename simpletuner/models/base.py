@@ -197,6 +197,12 @@ class ModelAdapter(metaclass=_AdapterMeta):
         """Each prompt's encoder outputs exactly as the family's pipeline computes them (loading the text encoders
         on first use, counting ``text_encoder_forwards``), one ``TextEmbedding`` per prompt, float32 on the CPU."""
 
+    def encode_negative_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
+        """Negative prompts (validation CFG) as the pipeline encodes its negative prompt; the same as
+        ``encode_prompts`` unless the pipeline treats them differently (Sana drops its complex human instruction,
+        Lumina 2 its system prompt)."""
+        return self.encode_prompts(prompts)
+
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], (B, 3, H, W) -> normalised latents (B, C, h, w) as the denoiser trains on (the VAE
