@@ -143,7 +143,27 @@ PIXART_SIGMA = ModelFamily(
     objectives=("epsilon",),
 )
 
-_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA)}
+SANA = ModelFamily(
+    name="sana",
+    description="NVIDIA Sana (0.6-4.8B linear-attention DiT on a 32x DC-AE, flow matching, Gemma 2 text encoder)",
+    adapter="simpletuner.models.sana:SanaAdapter",
+    flavours=MappingProxyType(
+        {
+            "sana1.5-4.8b-1024": "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
+            "sana1.5-1.6b-1024": "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
+            "sana1.0-1.6b-2048": "Efficient-Large-Model/Sana_1600M_2Kpx_BF16_diffusers",
+            "sana1.0-1.6b-1024": "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+            "sana1.0-600m-1024": "Efficient-Large-Model/Sana_600M_1024px_diffusers",
+            "sana1.0-600m-512": "Efficient-Large-Model/Sana_600M_512px_diffusers",
+            "tiny": None,
+        }
+    ),
+    default_flavour="sana1.5-4.8b-1024",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -157,7 +177,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "hidream",
     "chroma",
     "lumina2",
-    "sana",
     "qwen_image",
     "cosmos2image",
     "hunyuanvideo",
