@@ -163,7 +163,23 @@ SANA = ModelFamily(
     default_lora_target="attention",
 )
 
-_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA)}
+LUMINA2 = ModelFamily(
+    name="lumina2",
+    description="Alpha-VLLM Lumina-Image 2.0 (2.6B unified next-DiT, flow matching, Gemma 2 text encoder)",
+    adapter="simpletuner.models.lumina2:Lumina2Adapter",
+    flavours=MappingProxyType(
+        {
+            "2.0": "Alpha-VLLM/Lumina-Image-2.0",
+            "neta-lumina": "terminusresearch/neta-lumina-v1",
+            "tiny": None,
+        }
+    ),
+    default_flavour="2.0",
+    lora_targets=("attention", "joint", "all+ffs"),
+    default_lora_target="attention",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -176,7 +192,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "ltxvideo",
     "hidream",
     "chroma",
-    "lumina2",
     "qwen_image",
     "cosmos2image",
     "hunyuanvideo",
