@@ -179,7 +179,24 @@ LUMINA2 = ModelFamily(
     default_lora_target="attention",
 )
 
-_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2)}
+CHROMA = ModelFamily(
+    name="chroma",
+    description="lodestones Chroma1 (8.9B pruned Flux.1-schnell MMDiT, flow matching, T5-XXL text encoder, real CFG)",
+    adapter="simpletuner.models.chroma:ChromaAdapter",
+    flavours=MappingProxyType(
+        {
+            "base": "lodestones/Chroma1-Base",
+            "hd": "lodestones/Chroma1-HD",
+            "flash": "lodestones/Chroma1-Flash",
+            "tiny": None,
+        }
+    ),
+    default_flavour="base",
+    lora_targets=("all", "context", "context+ffs", "all+ffs"),
+    default_lora_target="all",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -191,7 +208,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "kolors",
     "ltxvideo",
     "hidream",
-    "chroma",
     "qwen_image",
     "cosmos2image",
     "hunyuanvideo",
