@@ -69,8 +69,8 @@ class AuraFlowAdapter(ModelAdapter):
         self.text_encoder_forwards += 1
         # the pipeline's mask is the token mask broadcast over the embedding width; keep one value per token
         tokens = mask.view(*embeds.shape)[..., 0]
-        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(), "prompt_attention_mask": tokens[i].float().cpu()})
-                for i in range(len(prompts))]
+        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(),
+                               "prompt_attention_mask": tokens[i].float().cpu()}) for i in range(len(prompts))]
 
     def text_identity_extras(self) -> list[str]:
         return [f"t5_len={self.t5_max_length}"]

@@ -56,8 +56,8 @@ class Lumina2Adapter(ModelAdapter):
 
     @staticmethod
     def _embeddings(embeds, mask) -> list[TextEmbedding]:
-        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(), "prompt_attention_mask": mask[i].float().cpu()})
-                for i in range(embeds.shape[0])]
+        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(),
+                               "prompt_attention_mask": mask[i].float().cpu()}) for i in range(embeds.shape[0])]
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:

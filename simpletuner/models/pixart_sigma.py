@@ -80,8 +80,8 @@ class PixArtSigmaAdapter(ModelAdapter):
             max_sequence_length=self.t5_max_length,
         )
         self.text_encoder_forwards += 1
-        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(), "prompt_attention_mask": mask[i].float().cpu()})
-                for i in range(len(prompts))]
+        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(),
+                               "prompt_attention_mask": mask[i].float().cpu()}) for i in range(len(prompts))]
 
     def text_identity_extras(self) -> list[str]:
         return [f"t5_len={self.t5_max_length}", "clean_caption=False"]

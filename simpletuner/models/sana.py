@@ -72,8 +72,8 @@ class SanaAdapter(ModelAdapter):
             max_sequence_length=self.max_sequence_length, complex_human_instruction=instruction,
         )
         self.text_encoder_forwards += 1
-        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(), "prompt_attention_mask": mask[i].float().cpu()})
-                for i in range(len(prompts))]
+        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(),
+                               "prompt_attention_mask": mask[i].float().cpu()}) for i in range(len(prompts))]
 
     def encode_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
         return self._encode(prompts, COMPLEX_HUMAN_INSTRUCTION)

@@ -72,8 +72,8 @@ class SD3Adapter(ModelAdapter):
             max_sequence_length=self.t5_max_length,
         )
         self.text_encoder_forwards += 1
-        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(), "pooled_prompt_embeds": pooled[i].float().cpu()})
-                for i in range(len(prompts))]
+        return [TextEmbedding({"prompt_embeds": embeds[i].float().cpu(),
+                               "pooled_prompt_embeds": pooled[i].float().cpu()}) for i in range(len(prompts))]
 
     def text_identity_extras(self) -> list[str]:
         return [f"t5_len={self.t5_max_length}"]
@@ -132,7 +132,7 @@ class SD3Adapter(ModelAdapter):
 
 
 def _single_file_depth(path: str) -> int:
-    """Joint blocks in a single-file SD3 checkpoint (SAI's ``joint_blocks.N`` or diffusers' ``transformer_blocks.N``)."""
+    """Joint blocks in a single-file SD3 checkpoint (SAI's ``joint_blocks.N``, diffusers' ``transformer_blocks.N``)."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
