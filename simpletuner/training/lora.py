@@ -50,12 +50,18 @@ def load_lora_state(transformer, state: dict[str, torch.Tensor], source: str) ->
         raise ValueError(f"{source}: missing LoRA weights for {len(missing)} modules, e.g. {missing[:3]}")
 
 
+# key prefixes of the LoRA files families write: diffusers' (``transformer.``) and a PEFT adapter's (PixArt)
+_LORA_KEY_PREFIXES = ("transformer.", "base_model.model.")
+
+
 def load_initial_lora(transformer, path: str | Path) -> None:
-    """``init_lora``: start from a diffusers-format LoRA file (``transformer.`` prefixed keys)."""
+    """``init_lora``: start from a LoRA file a family's ``save_lora`` writes (diffusers' ``transformer.``-prefixed
+    keys, or a PEFT adapter's ``adapter_model.safetensors``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"init_lora: {path} does not exist")
-    state = load_file(path)
-    prefix = "transformer."
-    state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    state = {}
+    for key, value in load_file(path).items():
+        prefix = next((p for p in _LORA_KEY_PREFIXES if key.startswith(p)), "")
+        state[key[len(prefix):]] = value
     load_lora_state(transformer, state, f"init_lora {path}")

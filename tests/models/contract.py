@@ -8,7 +8,8 @@ the family's own tiny checkpoint through the family's own diffusers pipeline:
 - the adapter's prediction equals what the pipeline hands its scheduler, from cached embeddings and from a prompt;
 - live previews decode exactly the latents the pipeline's VAE decodes (or the family has no preview decoder);
 - every LoRA preset targets real modules; a 3-step LoRA run through the real trainer saves a LoRA that the pipeline
-  loads as its users load it and that reproduces the trained model's prediction;
+  loads as its users load it and that reproduces the trained model's prediction; ``init_lora`` reads what
+  ``save_lora`` writes;
 - cache identities change when an encoder changes, and only then;
 - a declared TREAD layout routes a subset of the image tokens and restores the full sequence;
 - the eval loss is the objective's and is the same every time.
@@ -192,6 +193,19 @@ class FamilyContract:
             preds = [adapter.predict(m.eval(), latents, t, text) for m in (trained, loaded, base)]
         assert (preds[0] - preds[1]).abs().max().item() < 1e-5
         assert (preds[0] - preds[2]).abs().max().item() > 1e-4  # and the LoRA did change the model
+
+    def test_init_lora_reads_what_save_lora_writes(self, family, adapter, tmp_path):
+        """A LoRA the family exports is one ``init_lora`` can start a new run from."""
+        from simpletuner.training.lora import add_lora, lora_state_dict
+
+        model = adapter.load_transformer()
+        add_lora(model, adapter, family_config(family, lora_rank=2))
+        state = {k: torch.randn_like(v) for k, v in lora_state_dict(model).items()}
+        path = adapter.save_lora(state, tmp_path)
+        fresh = adapter.load_transformer()
+        add_lora(fresh, adapter, family_config(family, lora_rank=2, init_lora=str(path)))
+        loaded = lora_state_dict(fresh)
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 
     def test_cache_identity_follows_the_encoders(self, family, adapter, tmp_path):
         copy = tmp_path / "model"
