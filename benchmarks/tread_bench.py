@@ -1,22 +1,27 @@
-"""Training step time (forward + backward + optimizer step) of a LoRA on a Flux-shaped transformer, with and without
-TREAD routing. Prints a markdown table of median step times and speedups measured in this one run.
+"""Training step time (forward + backward + optimizer step) of a LoRA on a scaled-down transformer of a model family,
+with and without TREAD routing. Prints a markdown table of median step times and speedups measured in this one run.
 
-    .venv/bin/python benchmarks/tread_bench.py            # 2048 image tokens, routes over layers 2..-2
-    .venv/bin/python benchmarks/tread_bench.py --model wan   # a Wan video latent: 4 x 32 x 64 = 8192 video tokens
+    .venv/bin/python benchmarks/tread_bench.py                       # Flux, 2048 image tokens, routes over 2..-2
+    .venv/bin/python benchmarks/tread_bench.py --family sd3 --ratios 0.5
+    .venv/bin/python benchmarks/tread_bench.py --family wan  # a Wan video latent: 4 x 32 x 64 = 8192 video tokens
     .venv/bin/python benchmarks/tread_bench.py --help
 
-With ``--model wan`` the model is diffusers' WanTransformer3DModel (12 blocks, hidden 128) on a (16, 4, 64, 128) video
-latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample by simpletuner.models.wan's layout) and 64
-text tokens.
-
-The model is diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers), hidden
-size 128, a 32x64 packed latent (a 64x128 VAE latent, i.e. a 512x1024 image) = 2048 image tokens and 64 text tokens.
-Configs are timed round-robin so background load hits them alike.
+Flux (the default): diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers),
+hidden size 128, a 32x64 packed latent (a 64x128 VAE latent, i.e. a 512x1024 image) = 2048 image tokens and 64 text
+tokens. Other families (``--family sd3 | auraflow | pixart_sigma | chroma``): the family's own diffusers transformer
+at the same scale (12 blocks, hidden 128 as 4 heads of 32, 2048 image tokens of a 512x1024 image, 64 text tokens),
+stepped through the family adapter's ``predict`` with its TREAD layout and its default LoRA preset, so the routed
+path is the one training takes. Attention dominates at this size (2048 tokens against a 128-wide MLP), as it does
+in the real models at high resolution. With ``--family wan`` the model is diffusers' WanTransformer3DModel (12 blocks,
+hidden 128) on a (16, 4, 64, 128) video latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample
+by simpletuner.models.wan's layout) and 64 text tokens. Configs are timed round-robin so background load hits them
+alike.
 """
 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import torch
 from diffusers import FluxTransformer2DModel
@@ -66,6 +71,62 @@ def inputs(args):
     )
 
 
+# ---- the other families: their own transformer at Flux's bench scale, stepped through their adapter ----------------
+class _AdapterStep:
+    """``model(**batch).sample`` for the timing harness: the family adapter's ``predict`` on the transformer."""
+
+    def __init__(self, adapter, model):
+        self.adapter, self.model = adapter, model
+
+    def __call__(self, **batch):
+        return SimpleNamespace(sample=self.adapter.predict(self.model, **batch))
+
+
+def _family_model(args):
+    """(transformer config, latents, text) for ``args.family``: ``double + single`` blocks (one kind of block for
+    SD3 and PixArt), hidden ``heads * head_dim``."""
+    g = torch.Generator().manual_seed(1)
+    h, w, n_txt, hidden = 2 * args.latent_h, 2 * args.latent_w, args.text_tokens, args.heads * args.head_dim
+    layers = args.double + args.single
+    if args.family == "sd3":  # SD3.5-medium-like: qk RMS norm, the second attention in the first half
+        config = dict(
+            sample_size=h, patch_size=2, in_channels=16, num_layers=layers, attention_head_dim=args.head_dim,
+            num_attention_heads=args.heads, joint_attention_dim=64, caption_projection_dim=hidden,
+            pooled_projection_dim=64, out_channels=16, pos_embed_max_size=max(h, w) // 2, qk_norm="rms_norm",
+            dual_attention_layers=tuple(range(layers // 2)))
+        latents = torch.randn(args.batch, 16, h, w, generator=g)
+        text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g),
+                "pooled_prompt_embeds": torch.randn(args.batch, 64, generator=g)}
+    elif args.family == "auraflow":  # MMDiT blocks, then single blocks over one text+image sequence
+        config = dict(
+            sample_size=h, patch_size=2, in_channels=4, num_mmdit_layers=args.double, num_single_dit_layers=args.single,
+            attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=64,
+            caption_projection_dim=hidden, out_channels=4, pos_embed_max_size=(max(h, w) // 2) ** 2)
+        latents = torch.randn(args.batch, 4, h, w, generator=g)
+        text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g)}
+    elif args.family == "pixart_sigma":  # self-attention over image tokens, cross-attention to the text
+        config = dict(
+            num_attention_heads=args.heads, attention_head_dim=args.head_dim, in_channels=4, out_channels=8,
+            num_layers=layers, cross_attention_dim=hidden, attention_bias=True, sample_size=h, patch_size=2,
+            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+            norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=64, use_additional_conditions=False)
+        latents = torch.randn(args.batch, 4, h, w, generator=g)
+        text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g),
+                "prompt_attention_mask": torch.ones(args.batch, n_txt)}
+    elif args.family == "chroma":  # Flux's layout with a text+image attention mask in every block
+        config = dict(
+            patch_size=1, in_channels=64, num_layers=args.double, num_single_layers=args.single,
+            attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=64,
+            axes_dims_rope=rope_axes(args.head_dim), approximator_num_channels=16, approximator_hidden_dim=64,
+            approximator_layers=1)
+        latents = torch.randn(args.batch, 16, h, w, generator=g)
+        text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g),
+                "prompt_attention_mask": torch.ones(args.batch, n_txt)}
+    else:
+        raise SystemExit(f"--family: {args.family!r} has no bench model; one of {', '.join(FAMILIES)}")
+    return config, latents, text
+
+
 def build_wan(args):
     from diffusers import WanTransformer3DModel
 
@@ -97,8 +158,36 @@ def wan_layout(model):
     return WanAdapter.tread_layout(None, model)
 
 
+def build_family(args):
+    """(step callable, transformer, batch, target, TREAD layout) for a family, stepped through its adapter."""
+    from peft import LoraConfig
+
+    from simpletuner.config import get_family
+    from simpletuner.models.registry import get_adapter_class
+
+    adapter_class = get_adapter_class(args.family)
+    adapter = adapter_class.__new__(adapter_class)  # predict / layout / presets need no config or weights
+    config, latents, text = _family_model(args)
+    torch.manual_seed(0)
+    model = adapter_class.denoiser_class(**config)  # the class the family trains (PixArt's has PEFT mixed in)
+    model.requires_grad_(False)
+    targets = adapter.lora_target_modules(model, get_family(args.family).default_lora_target)
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=targets))
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    flow = get_family(args.family).default_objective == "flow_matching"
+    t = torch.full((args.batch,), 0.5) if flow else torch.full((args.batch,), 500)  # sigma, or a DDPM timestep
+    batch = {"noisy_latents": latents, "t": t, "text": text}
+    return _AdapterStep(adapter, model), model, batch, torch.randn_like(latents), adapter.tread_layout(model)
+
+
+FAMILIES = ("flux", "sd3", "auraflow", "pixart_sigma", "chroma", "wan")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="flux", choices=FAMILIES, help="model family whose transformer is timed")
     parser.add_argument("--latent-h", type=int, default=32, help="packed latent height (tokens)")
     parser.add_argument("--latent-w", type=int, default=64, help="packed latent width (tokens)")
     parser.add_argument("--text-tokens", type=int, default=64)
@@ -114,19 +203,23 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings steady on a shared machine)")
     parser.add_argument("--checkpointing", action="store_true", help="enable gradient checkpointing")
-    parser.add_argument("--model", choices=["flux", "wan"], default="flux",
-                        help="flux: a Flux-shaped MMDiT; wan: a Wan video DiT (--frames latent frames)")
-    parser.add_argument("--frames", type=int, default=4, help="latent frames (--model wan)")
+    parser.add_argument("--frames", type=int, default=4, help="latent frames (--family wan)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    if args.model == "wan":
-        model, batch = build_wan(args), wan_inputs(args)
+    if args.family == "flux":
+        model = build(args)
+        step = model
+        batch = inputs(args)
+        target = torch.randn_like(batch["hidden_states"])
+        layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
+    elif args.family == "wan":
+        model = step = build_wan(args)
+        batch = wan_inputs(args)
+        target = torch.randn_like(batch["hidden_states"])
         layout = wan_layout(model)
     else:
-        model, batch = build(args), inputs(args)
-        layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
-    target = torch.randn_like(batch["hidden_states"])
+        step, model, batch, target, layout = build_family(args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     handle = apply_tread(model, [{"selection_ratio": args.ratios[0], "start_layer_idx": args.start,
                                   "end_layer_idx": args.end}], layout, generator=torch.Generator().manual_seed(0))
@@ -137,17 +230,16 @@ def main():
         handle.enabled = ratio is not None
         if ratio is not None:
             handle.routes[0] = type(route)(ratio, route.start_layer_idx, route.end_layer_idx)
-        return lora_step(model, opt, batch, target)
+        return lora_step(step, opt, batch, target)
 
     times = round_robin(run, configs, args.steps)
 
-    n_img = args.latent_h * args.latent_w * (args.frames if args.model == "wan" else 1)
+    n_img = args.latent_h * args.latent_w * (args.frames if args.family == "wan" else 1)
     n_layers = args.double + args.single
-    shape = (f"Wan-shaped LoRA training step, {n_img} video tokens ({args.frames} latent frames) + {args.text_tokens} "
-             f"text tokens, batch {args.batch}, {n_layers} blocks" if args.model == "wan" else
-             f"Flux-shaped LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
-             f"{n_layers} layers ({args.double} double + {args.single} single)")
-    print(f"{shape}, hidden {args.heads * args.head_dim}, "
+    one_kind = args.family in ("sd3", "pixart_sigma", "wan")
+    kinds = "one kind of block" if one_kind else f"{args.double} double + {args.single} single"
+    print(f"{args.family} LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
+          f"{n_layers} layers ({kinds}), hidden {args.heads * args.head_dim}, "
           f"route layers {route.start_layer_idx}..{route.end_layer_idx}"
           f"{', gradient checkpointing' if args.checkpointing else ''}; "
           f"median of {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -136,22 +136,126 @@ LTXVIDEO = ModelFamily(
     modality="video",
 )
 
-_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX, WAN.name: WAN, LTXVIDEO.name: LTXVIDEO}
+SD3 = ModelFamily(
+    name="sd3",
+    description="Stability AI Stable Diffusion 3 / 3.5 (MMDiT, flow matching, CLIP-L + CLIP-G + T5-XXL text encoders)",
+    adapter="simpletuner.models.sd3:SD3Adapter",
+    flavours=MappingProxyType(
+        {
+            "medium": "stabilityai/stable-diffusion-3.5-medium",
+            "large": "stabilityai/stable-diffusion-3.5-large",
+            "3.0-medium": "stabilityai/stable-diffusion-3-medium-diffusers",
+            "tiny": None,
+        }
+    ),
+    default_flavour="medium",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    num_text_encoders=3,
+)
+
+AURAFLOW = ModelFamily(
+    name="auraflow",
+    description="fal AuraFlow (6.8B MMDiT + single-stream DiT, flow matching, Pile-T5 text encoder)",
+    adapter="simpletuner.models.auraflow:AuraFlowAdapter",
+    flavours=MappingProxyType(
+        {
+            "v0.3": "terminusresearch/auraflow-v0.3",
+            "v0.2": "fal/AuraFlow-v0.2",
+            "v0.1": "fal/AuraFlow",
+            "pony": "purplesmartai/pony-v7-base",
+            "tiny": None,
+        }
+    ),
+    default_flavour="v0.3",
+    lora_targets=("all", "attention", "context", "all+ffs"),
+    default_lora_target="all",
+)
+
+PIXART_SIGMA = ModelFamily(
+    name="pixart_sigma",
+    description="PixArt Sigma (0.6-0.9B DiT, DDPM epsilon with a learned variance, T5-XXL text encoder)",
+    adapter="simpletuner.models.pixart_sigma:PixArtSigmaAdapter",
+    flavours=MappingProxyType(
+        {
+            "900M-1024-v0.6": "terminusresearch/pixart-900m-1024-ft-v0.6",
+            "600M-512": "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
+            "600M-1024": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
+            "600M-2048": "PixArt-alpha/PixArt-Sigma-XL-2-2K-MS",
+            "tiny": None,
+        }
+    ),
+    default_flavour="900M-1024-v0.6",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+    objectives=("epsilon",),
+)
+
+SANA = ModelFamily(
+    name="sana",
+    description="NVIDIA Sana (0.6-4.8B linear-attention DiT on a 32x DC-AE, flow matching, Gemma 2 text encoder)",
+    adapter="simpletuner.models.sana:SanaAdapter",
+    flavours=MappingProxyType(
+        {
+            "sana1.5-4.8b-1024": "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
+            "sana1.5-1.6b-1024": "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
+            "sana1.0-1.6b-2048": "Efficient-Large-Model/Sana_1600M_2Kpx_BF16_diffusers",
+            "sana1.0-1.6b-1024": "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+            "sana1.0-600m-1024": "Efficient-Large-Model/Sana_600M_1024px_diffusers",
+            "sana1.0-600m-512": "Efficient-Large-Model/Sana_600M_512px_diffusers",
+            "tiny": None,
+        }
+    ),
+    default_flavour="sana1.5-4.8b-1024",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
+LUMINA2 = ModelFamily(
+    name="lumina2",
+    description="Alpha-VLLM Lumina-Image 2.0 (2.6B unified next-DiT, flow matching, Gemma 2 text encoder)",
+    adapter="simpletuner.models.lumina2:Lumina2Adapter",
+    flavours=MappingProxyType(
+        {
+            "2.0": "Alpha-VLLM/Lumina-Image-2.0",
+            "neta-lumina": "terminusresearch/neta-lumina-v1",
+            "tiny": None,
+        }
+    ),
+    default_flavour="2.0",
+    lora_targets=("attention", "joint", "all+ffs"),
+    default_lora_target="attention",
+)
+
+CHROMA = ModelFamily(
+    name="chroma",
+    description="lodestones Chroma1 (8.9B pruned Flux.1-schnell MMDiT, flow matching, T5-XXL text encoder, real CFG)",
+    adapter="simpletuner.models.chroma:ChromaAdapter",
+    flavours=MappingProxyType(
+        {
+            "base": "lodestones/Chroma1-Base",
+            "hd": "lodestones/Chroma1-HD",
+            "flash": "lodestones/Chroma1-Flash",
+            "tiny": None,
+        }
+    ),
+    default_flavour="base",
+    lora_targets=("all", "context", "context+ffs", "all+ffs"),
+    default_lora_target="all",
+)
+
+_FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, WAN, LTXVIDEO)
+}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
-    "sd3",
-    "auraflow",
-    "pixart_sigma",
     "sdxl",
     "sd1x",
     "sd2x",
     "kolors",
     "hidream",
-    "chroma",
-    "lumina2",
-    "sana",
     "qwen_image",
     "cosmos2image",
     "hunyuanvideo",

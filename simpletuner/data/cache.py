@@ -138,14 +138,24 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
     return encoded
 
 
-def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True) -> int:
-    """Encode every caption whose embedding is not cached yet; returns how many were encoded."""
+def negative_identity(text_identity: str) -> str:
+    """The text identity a negative prompt's embedding is cached under (encoded by ``encode_negative_prompts``)."""
+    return text_identity + "|negative"
+
+
+def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True, *,
+                    negative: bool = False) -> int:
+    """Encode every caption whose embedding is not cached yet (as negative prompts with ``negative``); returns how
+    many were encoded."""
     identity = adapter.text_cache_identity()
+    encode = adapter.encode_prompts
+    if negative:
+        identity, encode = negative_identity(identity), adapter.encode_negative_prompts
     todo = sorted({c for c in captions if not cache.has(text_key(c, identity))})
     if not todo:
         return 0
     for start in tqdm(range(0, len(todo), batch_size), desc="Caching text embeds", disable=not show_progress):
         chunk = todo[start:start + batch_size]
-        for caption, embedding in zip(chunk, adapter.encode_prompts(chunk)):
+        for caption, embedding in zip(chunk, encode(chunk)):
             cache.save(text_key(caption, identity), embedding.tensors)
     return len(todo)

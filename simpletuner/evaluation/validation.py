@@ -106,17 +106,20 @@ def step_folder(output_dir: str | Path, step: int) -> Path:
 class ValidationRunner:
     """Generates one step's validation images (and previews) for a list of prompts and resolutions.
 
-    ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension);
+    ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension), and
+    ``negative_embeddings`` the negative prompt's (as the pipeline encodes negatives; ``embeddings`` if not given);
     ``preview_decoder`` is an AutoencoderTiny (or None for no previews); ``on_preview(preview, step)`` and
     ``on_image(image, step)`` are called as each preview / image is written.
     """
 
-    def __init__(self, config, adapter, embeddings: Callable[[str], dict], *, preview_decoder=None,
+    def __init__(self, config, adapter, embeddings: Callable[[str], dict], *,
+                 negative_embeddings: Callable[[str], dict] | None = None, preview_decoder=None,
                  on_preview: Callable[[PreviewImage, int], None] | None = None,
                  on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None):
         self.config = config
         self.adapter = adapter
         self.embeddings = embeddings
+        self.negative_embeddings = negative_embeddings or embeddings
         self.preview_decoder = preview_decoder
         self.on_preview = on_preview
         self.on_image = on_image
@@ -125,8 +128,7 @@ class ValidationRunner:
         self.negative_prompt = config.validation_negative_prompt or ""
 
     def negative_needed(self) -> bool:
-        return self.adapter.needs_negative_prompt(self.config.validation_guidance,
-                                                  self.config.validation_guidance_real)
+        return self.adapter.uses_negative_prompt(self.config.validation_guidance, self.config.validation_guidance_real)
 
     def run(self, transformer, prompts: list[ValidationPrompt], resolutions: list[tuple[int, int]],
             step: int) -> list[ValidationImage]:
@@ -136,9 +138,9 @@ class ValidationRunner:
         with preserve_rng_state(), inference_mode(transformer):
             pipeline = self.adapter.build_validation_pipeline(transformer)
             pipeline.set_progress_bar_config(disable=True)
-            negative = self._embeddings(self.negative_prompt, transformer) if self.negative_needed() else None
+            negative = self._embeddings(self.negative_prompt, negative=True) if self.negative_needed() else None
             for item in prompts:
-                text = self._embeddings(item.prompt, transformer)
+                text = self._embeddings(item.prompt)
                 for width, height in resolutions:
                     frames = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
@@ -156,10 +158,11 @@ class ValidationRunner:
                         self.on_image(result, step)
         return results
 
-    def _embeddings(self, prompt: str, transformer) -> dict[str, torch.Tensor]:
+    def _embeddings(self, prompt: str, *, negative: bool = False) -> dict[str, torch.Tensor]:
         device = self.adapter.device
+        embedding = (self.negative_embeddings if negative else self.embeddings)(prompt)
         # float32: under mixed precision autocast casts for the transformer while the VAE decodes in fp32
-        return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in self.embeddings(prompt).items()}
+        return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in embedding.items()}
 
     def _generate(self, pipeline, item, text, negative, width, height, step, folder):
         kwargs = self.adapter.validation_pipeline_kwargs(
@@ -168,8 +171,8 @@ class ValidationRunner:
         )
         every = self.config.validation_preview_steps
         if self.preview_decoder is not None:
-            kwargs["callback_on_step_end"] = self._preview_callback(item, width, height, step, folder, every)
-            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+            kwargs.update(self.adapter.preview_callback_kwargs(
+                self._preview_callback(item, width, height, step, folder, every)))
         generator = torch.Generator("cpu").manual_seed(self.seed)
         size = self.adapter.pipeline_call_kwargs(height=height, width=width)
         if self.adapter.is_video:
@@ -189,10 +192,10 @@ class ValidationRunner:
     def _preview_callback(self, item: ValidationPrompt, width: int, height: int, step: int, folder: Path, every: int):
         previews = folder / "previews"
 
-        def callback(pipe, index, timestep, callback_kwargs):
+        def callback(index, pipeline_latents):
             done = index + 1
             if done % every == 0:
-                latents = self.adapter.preview_latents(callback_kwargs["latents"], height, width)
+                latents = self.adapter.preview_latents(pipeline_latents, height, width)
                 decoder = self.preview_decoder
                 pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
                 if pixels.ndim == 4:  # a video VAE's (3, frames, H, W): the poster frame
@@ -202,6 +205,5 @@ class ValidationRunner:
                 to_pil(pixels).save(path)
                 if self.on_preview is not None:
                     self.on_preview(PreviewImage(item.nickname, item.prompt, (width, height), done, path), step)
-            return {}
 
         return callback

@@ -235,6 +235,11 @@ class ModelAdapter(metaclass=_AdapterMeta):
         family conditions on that comes from the same pixels (Wan I2V: the first frame's latents and CLIP image
         embedding). Every key but ``latents`` reaches ``predict`` inside its ``text`` dict."""
         return [{"latents": latent} for latent in self.encode_images(pixels)]
+    def encode_negative_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
+        """Negative prompts (validation CFG) as the pipeline encodes its negative prompt; the same as
+        ``encode_prompts`` unless the pipeline treats them differently (Sana drops its complex human instruction,
+        Lumina 2 its system prompt)."""
+        return self.encode_prompts(prompts)
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -266,11 +271,6 @@ class ModelAdapter(metaclass=_AdapterMeta):
                       for n in range(1, len(self.text_encoder_specs) + 1)]
         parts = [self.component_identity(f) for f in folders] + self.text_identity_extras()
         return "|".join(parts + [f"precision={precisions}", str(self.weight_dtype)])
-
-    def needs_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
-        """Whether validation needs the negative prompt's embedding: true CFG (``guidance_real`` > 1) by default; a
-        family whose ``guidance`` is itself classifier-free guidance (Wan) needs it for ``guidance`` > 1 too."""
-        return guidance_real > 1
 
     def text_identity_extras(self) -> list[str]:
         """Family settings that change an embedding besides the weights (e.g. a sequence length)."""
@@ -358,6 +358,23 @@ class ModelAdapter(metaclass=_AdapterMeta):
         guidance scale, ``guidance_real`` > 1 with a ``negative`` embedding turns on true CFG where the family
         distinguishes the two. Non-tensor arguments (lengths, guidance) must also be right for a call with
         ``prompt=`` instead of the embeddings."""
+
+    def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+        """Whether validation at these scales runs classifier-free guidance against the negative prompt, so its
+        embedding is cached and handed to ``validation_pipeline_kwargs``. The default is Flux's: only true CFG
+        (``guidance_real`` > 1); a family whose pipeline runs CFG at ``guidance_scale`` > 1 says so here."""
+        return guidance_real > 1
+
+    def preview_callback_kwargs(self, on_latents) -> dict:
+        """Pipeline keyword arguments that call ``on_latents(step_index, latents)`` after each denoising step with
+        the pipeline's latents (diffusers' ``callback_on_step_end``; a pipeline with the older ``callback`` API
+        overrides this)."""
+
+        def callback(pipe, index, timestep, callback_kwargs):
+            on_latents(index, callback_kwargs["latents"])
+            return {}
+
+        return {"callback_on_step_end": callback, "callback_on_step_end_tensor_inputs": ["latents"]}
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents in the training layout ((B, C, h, w) or (B, C, F, h, w)) -> the pipeline's ``latents=`` argument

@@ -132,7 +132,7 @@ class LTXVideoAdapter(ModelAdapter):
                            image_output=None, slice_rotary=slice_batched_rotary, shared_selection=False)
 
     # ---- validation ----------------------------------------------------------------------------------------
-    def needs_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+    def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
         return guidance > 1 or guidance_real > 1
 
     def validation_pipeline_kwargs(self, text, negative=None, *, guidance: float, guidance_real: float) -> dict:

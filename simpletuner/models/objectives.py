@@ -135,7 +135,10 @@ class FlowMatching(Objective):
         return f"sigma_{t:g}"
 
     def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
-        return scheduler.sigmas[index].reshape(1).float()
+        # what the pipeline tells its transformer: the step's timestep over num_train_timesteps, in float64 so an
+        # adapter scaling it back by 1000 gets the pipeline's value exactly (DPM-Solver's flow schedule, used by
+        # Sana, hands the transformer an integer timestep while stepping with the unrounded sigma)
+        return (scheduler.timesteps[index].double() / scheduler.config.num_train_timesteps).reshape(1)
 
 
 class DDPMObjective(Objective):

@@ -86,3 +86,98 @@ def t5_tokenizer(max_length: int = 512):
     pieces += [("▁" + c, -3.0) for c in chars]
     pieces += [(c, -4.0) for c in chars]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+# ---- builders shared by the image families' tiny flavours (SD3, AuraFlow, PixArt Sigma, Sana, Lumina2, Chroma) ----
+def _sentencepiece_bpe(specials: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A SentencePiece-style BPE vocabulary ("▁" marks a word start) over _CHARS, with _WORDS merged whole."""
+    chars = _CHARS + string.ascii_uppercase
+    vocab: dict[str, int] = {}
+    for token in (*specials, "▁", *chars, *("▁" + c for c in chars)):
+        vocab.setdefault(token, len(vocab))
+    merges = [("▁", c) for c in chars]
+    for word in _WORDS:
+        current = "▁" + word[0]
+        for ch in word[1:]:
+            merges.append((current, ch))
+            current += ch
+            vocab.setdefault(current, len(vocab))
+    return vocab, list(dict.fromkeys(merges))
+
+
+def gemma_tokenizer(max_length: int = 512):
+    """A small Gemma BPE tokenizer built offline (same class and special tokens as Gemma 2: BOS first)."""
+    from transformers import GemmaTokenizer
+
+    vocab, merges = _sentencepiece_bpe(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"))
+    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, model_max_length=max_length)
+
+
+def llama_tokenizer(max_length: int = 512):
+    """A small Llama BPE tokenizer built offline, with T5's habits (pad token, EOS appended, no BOS) as AuraFlow's
+    Pile-T5 tokenizer has them."""
+    from transformers import LlamaTokenizer
+
+    vocab, merges = _sentencepiece_bpe(("<unk>", "<s>", "</s>", "<pad>"))
+    return LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<pad>", add_bos_token=False, add_eos_token=True,
+                          model_max_length=max_length)
+
+
+def clip_text_encoder(tokenizer, *, hidden_size: int = 32, projection_dim: int | None = None):
+    """A 2-layer CLIP text encoder for ``tokenizer``; with ``projection_dim`` the ``WithProjection`` variant."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection_dim or hidden_size, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config) if projection_dim else CLIPTextModel(config)
+
+
+def t5_encoder(tokenizer, *, d_model: int = 32, umt5: bool = False):
+    """A 2-layer T5 (or UMT5, AuraFlow's) encoder for ``tokenizer``."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    return model_class(config_class(
+        vocab_size=len(tokenizer), d_model=d_model, d_ff=2 * d_model, d_kv=8, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=0,
+    ))
+
+
+def gemma2_encoder(tokenizer, *, hidden_size: int = 32):
+    """A 2-layer Gemma 2 base model (the text encoder of Sana and Lumina 2) for ``tokenizer``."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    return Gemma2Model(Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden_size // 2, max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        sliding_window=64,
+    ))
+
+
+def autoencoder_kl(*, latent_channels: int, scaling_factor: float, shift_factor: float | None = None,
+                   quant_conv: bool = False):
+    """A 4-level (8x) KL autoencoder, so the pipeline's VAE scale factor is the real one."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 16, 16), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=8, sample_size=64, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=quant_conv, use_post_quant_conv=quant_conv,
+    )
+
+
+def autoencoder_tiny(latent_channels: int):
+    """A Tiny AutoEncoder (live previews) for latents of ``latent_channels`` at an 8x scale."""
+    from diffusers import AutoencoderTiny
+
+    return AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        latent_channels=latent_channels, num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1),
+    )

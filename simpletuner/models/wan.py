@@ -279,7 +279,7 @@ class WanAdapter(ModelAdapter):
         pipeline.load_lora_weights(str(path), **({"load_into_transformer_2": True} if self.expert == "low" else {}))
 
     # ---- validation ----------------------------------------------------------------------------------------
-    def needs_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+    def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
         return guidance > 1 or guidance_real > 1
 
     def validation_pipeline_kwargs(self, text, negative=None, *, guidance: float, guidance_real: float) -> dict:

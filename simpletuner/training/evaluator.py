@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import torch
 
-from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
+from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_text_cache, latent_key, negative_identity,
+                                    text_key)
 from simpletuner.data.discovery import DatasetError, Sample, discover
 from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
 from simpletuner.evaluation.prompts import validation_prompts
@@ -101,14 +102,18 @@ class Evaluator:
 
     # ---- caches -----------------------------------------------------------------------------------------
     def captions(self) -> list[str]:
-        """Every text the evaluator needs embedded: validation prompts, the negative prompt, eval captions."""
+        """Every prompt the evaluator needs embedded: validation prompts and eval captions."""
         texts = [p.prompt for p in self.prompts] if self.validating else []
-        if self.validating and self.adapter.needs_negative_prompt(self.config.validation_guidance,
-                                                                  self.config.validation_guidance_real):
-            texts.append(self.config.validation_negative_prompt or "")
         if self.evaluating:
             texts += [s.caption for _, ds in self.eval_datasets for s in ds.samples]
         return texts
+
+    def negative_prompts(self) -> list[str]:
+        """The negative prompt, when validation's guidance uses one (embedded as the pipeline embeds negatives)."""
+        if self.validating and self.adapter.uses_negative_prompt(self.config.validation_guidance,
+                                                                 self.config.validation_guidance_real):
+            return [self.config.validation_negative_prompt or ""]
+        return []
 
     def eval_samples(self) -> list[Sample]:
         return [s for _, ds in self.eval_datasets for s in ds.samples] if self.evaluating else []
@@ -121,8 +126,10 @@ class Evaluator:
             for backend, ds in self.eval_datasets:
                 by_cache.setdefault(backend.cache_dir_vae, []).extend(ds.samples)
             latents = fill_latent_cache(by_cache, self.adapter, self.config.vae_batch_size, show_progress=show_progress)
-        captions = fill_text_cache(self.captions(), self.adapter, self.text_cache,
-                                   self.backends.text_embeds.write_batch_size, show_progress=show_progress)
+        batch = self.backends.text_embeds.write_batch_size
+        captions = fill_text_cache(self.captions(), self.adapter, self.text_cache, batch, show_progress=show_progress)
+        captions += fill_text_cache(self.negative_prompts(), self.adapter, self.text_cache, batch,
+                                    show_progress=show_progress, negative=True)
         return latents, captions
 
     def _identity(self) -> tuple[str, str]:
@@ -130,14 +137,19 @@ class Evaluator:
             self._identities = (self.adapter.vae_cache_identity(), self.adapter.text_cache_identity())
         return self._identities
 
-    def prompt_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The cached text embedding of ``prompt`` (encoded now if the cache lacks it)."""
-        if prompt not in self._embeddings:
-            key = text_key(prompt, self._identity()[1])
+    def prompt_embedding(self, prompt: str, *, negative: bool = False) -> dict[str, torch.Tensor]:
+        """The cached text embedding of ``prompt`` (as a negative prompt with ``negative``), encoded now if the
+        cache lacks it."""
+        identity = negative_identity(self._identity()[1]) if negative else self._identity()[1]
+        key = text_key(prompt, identity)
+        if key not in self._embeddings:
             if not self.text_cache.has(key):
-                fill_text_cache([prompt], self.adapter, self.text_cache, 1, show_progress=False)
-            self._embeddings[prompt] = self.text_cache.load(key)
-        return self._embeddings[prompt]
+                fill_text_cache([prompt], self.adapter, self.text_cache, 1, show_progress=False, negative=negative)
+            self._embeddings[key] = self.text_cache.load(key)
+        return self._embeddings[key]
+
+    def negative_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
+        return self.prompt_embedding(prompt, negative=True)
 
     def eval_items(self) -> list[EvalItem]:
         if self._eval_items is None:
@@ -250,7 +262,7 @@ class Evaluator:
         if self._runner is None:
             decoder = self.adapter.load_preview_decoder() if self.config.validation_preview else None
             self._runner = ValidationRunner(self.config, self.adapter, self._validation_embedding,
-                                            preview_decoder=decoder,
+                                            negative_embeddings=self.negative_embedding, preview_decoder=decoder,
                                             on_preview=self._send_preview, on_image=self._send_image,
                                             autocast=self.accelerator.autocast)
         return self._runner

@@ -50,15 +50,22 @@ def load_lora_state(transformer, state: dict[str, torch.Tensor], source: str) ->
         raise ValueError(f"{source}: missing LoRA weights for {len(missing)} modules, e.g. {missing[:3]}")
 
 
+# key prefixes of the LoRA files families write: diffusers' (``transformer.``, ``unet.``), a PEFT adapter's (PixArt)
+_LORA_KEY_PREFIXES = ("transformer.", "unet.", "base_model.model.")
+
+
 def load_initial_lora(transformer, path: str | Path) -> None:
-    """``init_lora``: start from a diffusers-format LoRA file (``transformer.`` prefixed keys)."""
+    """``init_lora``: start from a LoRA file a family's ``save_lora`` writes (diffusers' ``transformer.``-prefixed
+    keys, or a PEFT adapter's ``adapter_model.safetensors``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"init_lora: {path} does not exist")
     try:
-        state = load_file(path)  # safetensors only: a LoRA file is never unpickled
+        loaded = load_file(path)  # safetensors only: a LoRA file is never unpickled
     except Exception as exc:  # safetensors' own error type for a pickle, a truncated file, a bad header
         raise ValueError(f"init_lora: {path} is not a readable .safetensors file ({exc})") from None
-    prefix = "transformer."
-    state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    state = {}
+    for key, value in loaded.items():
+        prefix = next((p for p in _LORA_KEY_PREFIXES if key.startswith(p)), "")
+        state[key[len(prefix):]] = value
     load_lora_state(transformer, state, f"init_lora {path}")

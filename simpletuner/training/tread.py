@@ -21,6 +21,11 @@ Usage (the transformer's own forward is untouched; everything happens in removab
 Routing is active when the handle is enabled and the block is in training mode with grad enabled (or
 `handle.route_in_eval` is set). The selection is drawn once per forward and stored on the route's input tensor, so
 gradient checkpointing's recompute (which re-runs the block hooks with the same input tensors) reuses it.
+
+Blocks that take text and image as one sequence (the layout's ``JointSequence``: AuraFlow's and Chroma's
+single-stream blocks) keep the text part whole and route the image part. A route crossing from separate-stream blocks
+into them is run as two parts sharing one selection: the image tokens are merged back before the model concatenates
+the streams and gathered again after, which equals carrying the subset across.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from simpletuner.models.tread_layout import TreadLayout, slice_concat_rotary
+from simpletuner.models.tread_layout import JointSequence, TreadLayout, slice_concat_rotary
 
 __all__ = [
+    "JointSequence",  # re-exported from simpletuner.models.tread_layout
     "TREADRouter",
     "TreadHandle",
     "TreadLayout",
@@ -217,15 +223,24 @@ def _put(args: tuple, kwargs: dict, name: str | None, pos: int | None, value: An
 
 @dataclass
 class _Selection:
-    idx: torch.Tensor  # (B, K)
-    rotary: Any  # rotary sliced to text + kept image positions
-    text_len: int
+    idx: torch.Tensor  # (B, K) kept image tokens
+    text_len: int  # text tokens before the image tokens (in a joint sequence; rotary/mask positions)
+
+
+@dataclass
+class _SegmentStart:
+    """Stored on a segment's input tensor, so a checkpoint recompute re-enters with the same routing."""
+
+    selection: _Selection
+    rotary: Any  # sliced to text + kept image positions
+    mask: Any
 
 
 @dataclass
 class _RouteContext:
-    selection: _Selection
-    full: torch.Tensor  # image tokens as they entered the route; routed-around tokens leave it unchanged
+    start: _SegmentStart
+    full: torch.Tensor  # tokens as they entered the segment; routed-around tokens leave it unchanged
+    joint: bool  # a joint (text + image) sequence rather than image tokens alone
 
 
 _handle_ids = itertools.count()
@@ -245,6 +260,9 @@ class TreadHandle:
     last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
     _force_keep: torch.Tensor | None = None
     _token: int = field(default_factory=lambda: next(_handle_ids))
+    # per forward: a route's selection while it crosses into the joint blocks; the image tokens ending the sequence
+    _open: dict[int, _Selection] = field(default_factory=dict)
+    _image_tokens: int | None = None
 
     @property
     def _sel_attr(self) -> str:
@@ -280,6 +298,14 @@ class TreadHandle:
         return self.enabled and (self.route_in_eval or (block.training and torch.is_grad_enabled()))
 
 
+def _segments(route: TreadRoute, layout: TreadLayout) -> list[tuple[int, int]]:
+    """A route's blocks, split where the joint-sequence blocks begin (the two parts share one selection)."""
+    start, end = route.start_layer_idx, route.end_layer_idx
+    if layout.joint is not None and start < layout.joint.start <= end:
+        return [(start, layout.joint.start - 1), (layout.joint.start, end)]
+    return [(start, end)]
+
+
 def apply_tread(
     module: nn.Module,
     routes: Sequence[Any],
@@ -300,76 +326,124 @@ def apply_tread(
     owned = {id(m) for m in module.modules()}
     if not all(id(b) in owned for b in blocks):
         raise ValueError("TreadLayout.blocks: every block must be a submodule of the model")
+    if layout.joint is not None and not 0 <= layout.joint.start <= len(blocks):
+        raise ValueError(f"TreadLayout.joint.start: {layout.joint.start} is outside the {len(blocks)} blocks")
     resolved = resolve_routes(routes, len(blocks))
     handle = TreadHandle(module, resolved, layout, TREADRouter(importance_weight=importance_weight,
                                                               generator=generator))
 
     for r, route in enumerate(resolved):
-        for i in range(route.start_layer_idx, route.end_layer_idx + 1):
-            first, last = i == route.start_layer_idx, i == route.end_layer_idx
-            pre = _make_pre_hook(handle, r, first)
-            post = _make_post_hook(handle, last)
-            handle.hooks[f"tread.route{r}.block{i}.pre"] = blocks[i].register_forward_pre_hook(pre, with_kwargs=True)
-            handle.hooks[f"tread.route{r}.block{i}.post"] = blocks[i].register_forward_hook(post, with_kwargs=True)
+        for seg, (start, end) in enumerate(_segments(route, layout)):
+            for i in range(start, end + 1):
+                args = layout.block_args(i)
+                pre = _make_pre_hook(handle, r, seg, args, first=i == start)
+                post = _make_post_hook(handle, args, last=i == end)
+                handle.hooks[f"tread.route{r}.block{i}.pre"] = blocks[i].register_forward_pre_hook(pre,
+                                                                                                  with_kwargs=True)
+                handle.hooks[f"tread.route{r}.block{i}.post"] = blocks[i].register_forward_hook(post,
+                                                                                               with_kwargs=True)
+    if layout.joint is not None:
+        count = layout.joint.image_tokens
+
+        def record_image_tokens(model, args, kwargs):
+            handle._image_tokens = int(count(model, args, kwargs))
+
+        handle.hooks["tread.image_tokens"] = module.register_forward_pre_hook(record_image_tokens, with_kwargs=True)
     module._tread_handle = handle
     return handle
 
 
-def _make_pre_hook(handle: TreadHandle, r: int, first: bool):
+def _select(handle: TreadHandle, r: int, seg: int, block: nn.Module, tokens: torch.Tensor, args: tuple,
+            kwargs: dict, spec) -> _Selection | None:
+    """This forward's selection for route ``r`` at the start of its segment ``seg`` (None: not routing now)."""
+    if seg > 0:  # the route crossed into the joint blocks: same tokens as its first part
+        return handle._open.pop(r, None)
+    if not handle._routing(block):
+        handle._open.pop(r, None)
+        return None
+    if spec.joint:
+        text_len = tokens.shape[1] - handle._image_tokens
+        image = tokens[:, text_len:]
+    else:
+        text = _get(args, kwargs, spec.text_arg, spec.text_pos)
+        text_len = text.shape[1] if text is not None else 0
+        image = tokens
+    idx = handle.router.select(image, handle.routes[r].selection_ratio, force_keep=handle._force_keep,
+                               shared=handle.layout.shared_selection)
+    handle.last_selection[r] = idx
+    selection = _Selection(idx, text_len)
+    if len(_segments(handle.routes[r], handle.layout)) > 1:
+        handle._open[r] = selection
+    return selection
+
+
+def _make_pre_hook(handle: TreadHandle, r: int, seg: int, spec, *, first: bool):
     layout = handle.layout
 
     def pre_hook(block: nn.Module, args: tuple, kwargs: dict):
-        img = _get(args, kwargs, layout.image_arg, layout.image_pos)
-        if img is None:
+        tokens = _get(args, kwargs, spec.image_arg, spec.image_pos)
+        if tokens is None:
             return None
         if first:
             # Drawn once per forward: a checkpoint recompute re-enters with this same tensor and finds the selection.
-            selection = getattr(img, handle._sel_attr, None)
-            if selection is None:
-                if not handle._routing(block):
+            start = getattr(tokens, handle._sel_attr, None)
+            if start is None:
+                selection = _select(handle, r, seg, block, tokens, args, kwargs, spec)
+                if selection is None:
                     return None
-                text = _get(args, kwargs, layout.text_arg, layout.text_pos)
-                text_len = text.shape[1] if text is not None else 0
-                idx = handle.router.select(img, handle.routes[r].selection_ratio, force_keep=handle._force_keep,
-                                           shared=layout.shared_selection)
-                rotary = _get(args, kwargs, layout.rotary_arg, layout.rotary_pos)
-                if layout.rotary_arg is not None and rotary is not None:
-                    rotary = layout.slice_rotary(rotary, idx, text_len)
-                selection = _Selection(idx, rotary, text_len)
-                setattr(img, handle._sel_attr, selection)
-                handle.last_selection[r] = idx
-            routed = TREADRouter.gather(img, selection.idx)
-            setattr(routed, handle._ctx_attr, _RouteContext(selection, img))
+                rotary = _get(args, kwargs, spec.rotary_arg, spec.rotary_pos)
+                if spec.rotary_arg is not None and rotary is not None:
+                    rotary = layout.slice_rotary(rotary, selection.idx, selection.text_len)
+                mask = _get(args, kwargs, spec.mask_arg, spec.mask_pos)
+                if spec.mask_arg is not None and mask is not None:
+                    mask = layout.slice_mask(mask, selection.idx, selection.text_len)
+                start = _SegmentStart(selection, rotary, mask)
+                setattr(tokens, handle._sel_attr, start)
+            routed = _gather(tokens, start.selection, spec.joint)
+            setattr(routed, handle._ctx_attr, _RouteContext(start, tokens, spec.joint))
         else:
-            context = getattr(img, handle._ctx_attr, None)
+            context = getattr(tokens, handle._ctx_attr, None)
             if context is None:
                 return None
-            selection, routed = context.selection, img
-        args, kwargs = _put(args, kwargs, layout.image_arg, layout.image_pos, routed)
-        if layout.rotary_arg is not None and selection.rotary is not None:
-            args, kwargs = _put(args, kwargs, layout.rotary_arg, layout.rotary_pos, selection.rotary)
+            start, routed = context.start, tokens
+        args, kwargs = _put(args, kwargs, spec.image_arg, spec.image_pos, routed)
+        if spec.rotary_arg is not None and start.rotary is not None:
+            args, kwargs = _put(args, kwargs, spec.rotary_arg, spec.rotary_pos, start.rotary)
+        if spec.mask_arg is not None and start.mask is not None:
+            args, kwargs = _put(args, kwargs, spec.mask_arg, spec.mask_pos, start.mask)
         return args, kwargs
 
     return pre_hook
 
 
-def _make_post_hook(handle: TreadHandle, last: bool):
-    layout = handle.layout
+def _gather(tokens: torch.Tensor, selection: _Selection, joint: bool) -> torch.Tensor:
+    if not joint:
+        return TREADRouter.gather(tokens, selection.idx)
+    t = selection.text_len
+    return torch.cat([tokens[:, :t], TREADRouter.gather(tokens[:, t:], selection.idx)], dim=1)
 
+
+def _make_post_hook(handle: TreadHandle, spec, *, last: bool):
     def post_hook(block: nn.Module, args: tuple, kwargs: dict, output: Any):
-        img_in = _get(args, kwargs, layout.image_arg, layout.image_pos)
-        context = getattr(img_in, handle._ctx_attr, None) if img_in is not None else None
+        tokens_in = _get(args, kwargs, spec.image_arg, spec.image_pos)
+        context = getattr(tokens_in, handle._ctx_attr, None) if tokens_in is not None else None
         if context is None:
             return None
-        img_out = output if layout.image_output is None else output[layout.image_output]
+        tokens_out = output if spec.image_output is None else output[spec.image_output]
         if not last:
-            setattr(img_out, handle._ctx_attr, context)
+            setattr(tokens_out, handle._ctx_attr, context)
             return None
-        merged = TREADRouter.scatter(context.full, img_out, context.selection.idx)
-        if layout.image_output is None:
+        idx = context.start.selection.idx
+        if context.joint:  # text tokens come out of the blocks; image tokens merge as in a separate stream
+            t = context.start.selection.text_len
+            merged = torch.cat([tokens_out[:, :t], TREADRouter.scatter(context.full[:, t:], tokens_out[:, t:], idx)],
+                               dim=1)
+        else:
+            merged = TREADRouter.scatter(context.full, tokens_out, idx)
+        if spec.image_output is None:
             return merged
         out = list(output)
-        out[layout.image_output] = merged
+        out[spec.image_output] = merged
         return type(output)(out) if isinstance(output, tuple) else out
 
     return post_hook

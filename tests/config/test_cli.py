@@ -115,7 +115,7 @@ def test_validate_does_not_import_torch(project):
 # --- configure -------------------------------------------------------------------------------------------------
 
 ANSWERS = [
-    "sd3",  # planned family: re-asked
+    "omnigen",  # planned family: re-asked
     "flux",
     "tiny",
     "",  # model type: default lora
@@ -136,7 +136,7 @@ ANSWERS = [
 def test_configure_with_piped_answers(tmp_path):
     result = simpletuner("configure", cwd=tmp_path, stdin="\n".join(ANSWERS) + "\n")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "invalid: 'sd3' is a SimpleTuner family that is planned" in result.stdout
+    assert "invalid: 'omnigen' is a SimpleTuner family that is planned" in result.stdout
     assert "invalid: must be > 0" in result.stdout
     assert "invalid: 'bogus' is not one of filename, textfile, instanceprompt" in result.stdout
     assert "invalid: is required for caption_strategy 'instanceprompt'" in result.stdout

@@ -10,6 +10,7 @@ from simpletuner.config import (
     ConfigError,
     FieldError,
     TrainConfig,
+    family_names,
     get_family,
     load_train_config,
     resolve_tread_routes,
@@ -114,8 +115,8 @@ def test_area_resolution_in_megapixels():
 # --- errors name the field -----------------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    pytest.param({"model_family": "sd9"}, "model_family", "not a known model family; available: flux", id="family"),
-    pytest.param({"model_family": "sd3"}, "model_family", "planned but not supported yet", id="planned-family"),
+    pytest.param({"model_family": "sd9"}, "model_family", "not a known model family; available: ", id="family"),
+    pytest.param({"model_family": "omnigen"}, "model_family", "planned but not supported yet", id="planned-family"),
     pytest.param({"model_flavour": "pro"}, "model_flavour", "one of dev, krea, schnell, kontext", id="flavour"),
     pytest.param({"model_type": "lycoris"}, "model_type", "'lycoris' is not one of lora, full", id="model-type"),
     pytest.param(
@@ -333,7 +334,7 @@ def test_every_field_has_a_description_and_a_group_the_form_shows():
     for name, prop in properties.items():
         assert prop.get("description"), name
         assert prop.get("group") in shown, name
-    assert properties["model_family"]["enum"] == family_names() == sorted(FAMILIES)
+    assert properties["model_family"]["enum"] == family_names()  # the table, whatever it holds
     assert properties["config_version"]["readOnly"] is True
     # a field put in a group the form does not know is refused when the schema is defined
     from simpletuner.config.train import _field

@@ -8,8 +8,10 @@ checkpoint through the family's own diffusers pipeline:
 
 - the tiny flavour is in the diffusers layout, deterministic, and loads with the pipeline's ``from_pretrained``;
 - the adapter's prediction equals what the pipeline hands its scheduler, from cached embeddings and from a prompt;
+- live previews decode exactly the latents the pipeline's VAE decodes (or the family has no preview decoder);
 - every LoRA preset targets real modules; a 3-step LoRA run through the real trainer saves a LoRA that the pipeline
-  loads as its users load it and that reproduces the trained model's prediction;
+  loads as its users load it and that reproduces the trained model's prediction; ``init_lora`` reads what
+  ``save_lora`` writes;
 - cache identities change when an encoder changes, and only then;
 - a declared TREAD layout routes a subset of the image tokens and restores the full sequence;
 - the eval loss is the objective's and is the same every time.
@@ -171,6 +173,36 @@ class FamilyContract:
         assert ours.shape == theirs.shape
         assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
 
+    def test_previews_decode_what_the_pipeline_decodes(self, adapter, transformer, text):
+        """The latents the pipeline hands its step callback, through ``preview_latents``, are exactly what the
+        pipeline's own VAE decodes at the end (a video family's: its first latent frame, the poster frame, decoded
+        by the family's VAE), and the preview decoder turns them into an image of the validation size (or the
+        family says it has none)."""
+        if adapter.preview_decoder_source() is None and not adapter.is_video:
+            with pytest.raises(ValueError, match="validation_preview"):
+                adapter.load_preview_decoder()
+            return
+        decoder = adapter.load_preview_decoder()
+        pipe = adapter.build_validation_pipeline(transformer)
+        pipe.set_progress_bar_config(disable=True)
+        height, width = _size(adapter), 2 * _size(adapter)  # not square: catches swapped sides
+        steps, decoded = [], []
+        kwargs = adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0)
+        kwargs.update(adapter.preview_callback_kwargs(lambda index, latents: steps.append((index, latents))))
+        if adapter.is_video:
+            kwargs.update(adapter.validation_conditioning(text, height, width))
+        vae_decode = pipe.vae.decode
+        pipe.vae.decode = lambda z, *a, **k: decoded.append(z) or vae_decode(z, *a, **k)
+        with torch.no_grad():
+            pipe(**adapter.pipeline_call_kwargs(height=height, width=width, num_frames=_frames(adapter)),
+                 num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs)
+            preview = adapter.preview_latents(steps[-1][1], height, width)
+            pixels = decoder.decode(preview.to(decoder.dtype)).sample
+        expected = decoded[-1][:, :, :1] if adapter.is_video else decoded[-1]
+        assert [index for index, _ in steps] == [0, 1]
+        assert torch.allclose(preview.float(), expected.float(), atol=1e-6)
+        assert pixels.shape[:2] == (1, 3) and pixels.shape[-2:] == (height, width) and torch.isfinite(pixels).all()
+
     def test_every_lora_preset_targets_real_modules(self, family, adapter, transformer):
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -214,6 +246,19 @@ class FamilyContract:
             preds = [adapter.predict(m.eval(), latents, t, text) for m in (trained, loaded, base)]
         assert (preds[0] - preds[1]).abs().max().item() < 1e-5
         assert (preds[0] - preds[2]).abs().max().item() > 1e-4  # and the LoRA did change the model
+
+    def test_init_lora_reads_what_save_lora_writes(self, family, adapter, tmp_path):
+        """A LoRA the family exports is one ``init_lora`` can start a new run from."""
+        from simpletuner.training.lora import add_lora, lora_state_dict
+
+        model = adapter.load_transformer()
+        add_lora(model, adapter, family_config(family, lora_rank=2))
+        state = {k: torch.randn_like(v) for k, v in lora_state_dict(model).items()}
+        path = adapter.save_lora(state, tmp_path)
+        fresh = adapter.load_transformer()
+        add_lora(fresh, adapter, family_config(family, lora_rank=2, init_lora=str(path)))
+        loaded = lora_state_dict(fresh)
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 
     def test_cache_identity_follows_the_encoders(self, family, adapter, tmp_path):
         copy = tmp_path / "model"

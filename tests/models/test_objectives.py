@@ -103,6 +103,13 @@ def test_pipeline_timestep_units():
     flow_sched = FlowMatchEulerDiscreteScheduler(shift=1.0)
     flow_sched.set_timesteps(4)
     assert FlowMatching().pipeline_timestep(flow_sched, 1).item() == pytest.approx(flow_sched.sigmas[1].item())
+    # DPM-Solver's flow schedule (Sana) feeds the transformer a whole timestep: t is that, not the unrounded sigma
+    from diffusers import DPMSolverMultistepScheduler
+
+    dpm = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction")
+    dpm.set_timesteps(2)
+    t = FlowMatching().pipeline_timestep(dpm, 0)
+    assert t.item() * 1000 == int(dpm.timesteps[0]) != dpm.sigmas[0].item() * 1000
     ddpm = DDPMScheduler(**SD_SCHEDULE)
     ddpm.set_timesteps(4)
     assert DDPMObjective("epsilon", SD_SCHEDULE).pipeline_timestep(ddpm, 1).item() == int(ddpm.timesteps[1])

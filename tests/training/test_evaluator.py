@@ -5,6 +5,7 @@ import torch
 
 from simpletuner.data.cache import text_key
 from simpletuner.data.discovery import DatasetError
+from simpletuner.models.base import TextEmbedding
 from simpletuner.training.evaluator import Evaluator
 from tests.helpers import CpuAccelerator, RecordingReporter
 
@@ -43,7 +44,8 @@ def test_fill_caches_encodes_eval_latents_and_prompts_once(make_setup, tiny_adap
     ev = _evaluator(make_setup, tiny_adapter, validation_steps=2, validation_prompt="a red square",
                     validation_guidance_real=2.0, eval_steps_interval=3)
     captions = [(tmp_path / "eval" / f"{n}.txt").read_text().strip() for n in ("00_orange_circle", "01_red_square")]
-    assert ev.captions() == ["a red square", ""] + captions
+    assert ev.captions() == ["a red square"] + captions
+    assert ev.negative_prompts() == [""]  # cached apart: a pipeline may encode its negatives differently
     assert ev.fill_caches(show_progress=False) == (2, 4)
     assert ev.fill_caches(show_progress=False) == (0, 0)
 
@@ -115,6 +117,20 @@ def test_missing_prompt_embedding_is_encoded_on_demand(make_setup, tiny_adapter)
     embedding = ev.prompt_embedding("a green square")
     assert ev.text_cache.has(text_key("a green square", tiny_adapter.text_cache_identity()))
     assert embedding["prompt_embeds"].shape[0] == tiny_adapter.t5_max_length
+
+
+def test_the_negative_prompt_is_encoded_and_cached_as_a_negative(make_setup, tiny_adapter, monkeypatch):
+    """A family whose pipeline encodes negatives differently (Sana, Lumina 2) gets them through
+    encode_negative_prompts, cached apart from the same text as a positive prompt."""
+    def negatives(prompts):
+        return [TextEmbedding({k: v * 0 for k, v in e.tensors.items()}) for e in tiny_adapter.encode_prompts(prompts)]
+
+    monkeypatch.setattr(tiny_adapter, "encode_negative_prompts", negatives)
+    ev = _evaluator(make_setup, tiny_adapter, validation_steps=1, validation_prompt="blurry",
+                    validation_negative_prompt="blurry", validation_guidance_real=2.0, eval_dataset=False)
+    assert ev.fill_caches(show_progress=False) == (0, 2)  # "blurry" once as a prompt, once as a negative
+    assert ev.prompt_embedding("blurry")["prompt_embeds"].abs().sum() > 0
+    assert ev.negative_embedding("blurry")["prompt_embeds"].abs().sum() == 0
 
 
 class CountingAccelerator(CpuAccelerator):

@@ -292,3 +292,135 @@ def test_layout_for_blocks_without_text_or_rotary_and_per_sample_selection():
     idx = handle.last_selection[0]
     assert idx.shape == (3, 4) and not (idx == idx[0]).all()  # each sample keeps its own subset
     assert (x.grad.abs().sum(-1) > 0).all()
+
+
+# ---- joint-sequence blocks (AuraFlow's and Chroma's single-stream blocks: text and image in one sequence) ----------
+class _Attention(torch.nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        bias = None if mask is None else mask[:, None, :].bool()
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+
+class _StreamBlock(torch.nn.Module):  # MMDiT-like: (image, text) -> (text, image)
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        t = encoder_hidden_states.shape[1]
+        seq = torch.cat([encoder_hidden_states, hidden_states], 1)
+        seq = seq + self.attn(seq)
+        return seq[:, :t], seq[:, t:]
+
+
+class _JointBlock(torch.nn.Module):  # one sequence in, one out, with a mask over it
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, hidden_states, mask=None):
+        return hidden_states + self.attn(hidden_states, mask)
+
+
+class _JointModel(torch.nn.Module):
+    def __init__(self, checkpointing=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stream = torch.nn.ModuleList([_StreamBlock() for _ in range(2)])
+        self.joint = torch.nn.ModuleList([_JointBlock() for _ in range(2)])
+        self.checkpointing = checkpointing
+
+    def _call(self, block, *args):
+        if self.checkpointing and torch.is_grad_enabled():  # positional, as diffusers' checkpointing calls blocks
+            return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+    def forward(self, image, text, mask):
+        for block in self.stream:
+            text, image = self._call(block, image, text)
+        seq = torch.cat([text, image], 1)
+        for block in self.joint:
+            seq = self._call(block, seq, mask)
+        return seq[:, text.shape[1]:]
+
+
+def _joint_layout(model):
+    from simpletuner.models.tread_layout import JointSequence
+
+    return TreadLayout(blocks=list(model.stream) + list(model.joint), rotary_arg=None, rotary_pos=None,
+                       shared_selection=False,
+                       joint=JointSequence(start=2, image_tokens=lambda m, a, k: a[0].shape[1], mask_arg="mask",
+                                           mask_pos=1))
+
+
+def _joint_inputs(text_len=3, image_len=12):
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(2, text_len + image_len)
+    mask[0, text_len - 1] = 0  # a padded text token, as Chroma masks them
+    return torch.randn(2, image_len, 8, generator=g), torch.randn(2, text_len, 8, generator=g), mask
+
+
+@pytest.mark.parametrize("start,end", [(1, 2), (2, 3), (0, 3)])
+def test_joint_sequence_blocks_route_only_their_image_part(start, end):
+    """Routes across the boundary, inside the joint blocks, or over everything: the joint blocks see the whole text
+    and the kept image tokens, with the mask sliced alike; routed-around tokens leave the route unchanged."""
+    model = _JointModel()
+    image, text, mask = _joint_inputs()
+    layout = _joint_layout(model)
+    entering = {}
+    layout.blocks[start].register_forward_pre_hook(lambda m, a, k: entering.update(seq=a[0]), with_kwargs=True)
+    handle = apply_tread(model, [route(0.5, start, end)], layout, generator=torch.Generator().manual_seed(0))
+    seen, leaving = {}, {}
+    for i, block in enumerate(layout.blocks):  # registered after TREAD's hooks: they see what the block sees
+        block.register_forward_pre_hook(lambda m, a, k, i=i: seen.__setitem__(i, a), with_kwargs=True)
+    layout.blocks[end].register_forward_hook(lambda m, a, k, out: leaving.update(seq=out), with_kwargs=True)
+    x = image.clone().requires_grad_(True)
+    model(x, text, mask).square().mean().backward()
+
+    idx = handle.last_selection[0]
+    kept, inside = 6, range(start, end + 1)
+    assert idx.shape == (2, kept) and not torch.equal(idx[0], idx[1])  # per-sample selection
+    for i, args in seen.items():
+        tokens = kept if i in inside else 12
+        if i < 2:
+            assert args[0].shape[1] == tokens and args[1].shape[1] == 3
+        else:
+            assert args[0].shape[1] == 3 + tokens  # text whole, image routed
+            expected = mask if i not in inside else torch.cat([mask[:, :3], mask[:, 3:].gather(1, idx)], 1)
+            assert torch.equal(args[1], expected)  # the mask follows the tokens
+    image_in = entering["seq"] if start < 2 else entering["seq"][:, 3:]
+    image_out = leaving["seq"][1] if end < 2 else leaving["seq"][:, 3:]
+    skipped = torch.ones(2, 12, dtype=torch.bool).scatter(1, idx, False)
+    assert image_out.shape == image_in.shape
+    assert torch.equal(image_out[skipped].detach(), image_in[skipped].detach())
+    assert (x.grad.abs().sum(-1) > 0).all()  # routed-around tokens still get a gradient (through the skip)
+
+
+def test_joint_sequence_routing_with_gradient_checkpointing_matches():
+    image, text, mask = _joint_inputs()
+    results = []
+    for checkpointing in (False, True):
+        model = _JointModel(checkpointing)
+        handle = apply_tread(model, [route(0.5, 1, 3)], _joint_layout(model),
+                             generator=torch.Generator().manual_seed(3))
+        x = image.clone().requires_grad_(True)
+        loss = model(x, text, mask).square().mean()
+        loss.backward()
+        results.append((loss.detach(), x.grad, handle.last_selection[0]))
+    assert torch.equal(results[0][2], results[1][2])
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def test_joint_sequence_routing_is_off_outside_training():
+    model = _JointModel()
+    image, text, mask = _joint_inputs()
+    with torch.no_grad():
+        plain = model(image, text, mask)
+        apply_tread(model, [route(0.5, 1, 3)], _joint_layout(model))
+        assert torch.equal(model(image, text, mask), plain)  # no grad: the full sequence, no stale selection
