@@ -6,7 +6,8 @@ TREAD routing. Prints a markdown table of median step times and speedups measure
 
 The model is diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers), hidden
 size 128, a 32x64 packed latent (a 64x128 VAE latent, i.e. a 512x1024 image) = 2048 image tokens and 64 text tokens.
-Configs are timed round-robin so background load hits them alike.
+Configs are timed round-robin so background load hits them alike. ``--family qwen_image`` times a Qwen-Image-shaped
+transformer instead (the same 12 blocks, all dual-stream, routed by the Qwen-Image adapter's TREAD layout).
 """
 
 from __future__ import annotations
@@ -61,6 +62,37 @@ def inputs(args):
     )
 
 
+def build_qwen_image(args):
+    """(model, inputs, layout) for a Qwen-Image-shaped LoRA step: diffusers' QwenImageTransformer2DModel with random
+    weights, ``--double + --single`` dual-stream blocks (Qwen-Image has only those) of ``--heads x --head-dim``,
+    ``--latent-h x --latent-w`` packed image tokens and ``--text-tokens`` text tokens; LoRA on the attention of
+    both streams (the ``all`` preset), routed through the adapter's own TREAD layout."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from simpletuner.models.qwen_image import LORA_PRESETS, qwen_image_tread_layout
+
+    torch.manual_seed(0)
+    third = (args.head_dim // 3) // 2 * 2
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=args.double + args.single,
+        attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=64,
+        axes_dims_rope=(args.head_dim - 2 * third, third, third),
+    )
+    model.requires_grad_(False)
+    model = inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=LORA_PRESETS["all"]), model)
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    batch = dict(
+        hidden_states=torch.randn(args.batch, args.latent_h * args.latent_w, 64, generator=g),
+        encoder_hidden_states=torch.randn(args.batch, args.text_tokens, 64, generator=g),
+        timestep=torch.rand(args.batch, generator=g),
+        img_shapes=[[(1, args.latent_h, args.latent_w)]] * args.batch,
+    )
+    return model, batch, qwen_image_tread_layout(model)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latent-h", type=int, default=32, help="packed latent height (tokens)")
@@ -78,14 +110,19 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings steady on a shared machine)")
     parser.add_argument("--checkpointing", action="store_true", help="enable gradient checkpointing")
+    parser.add_argument("--family", choices=["flux", "qwen_image"], default="flux",
+                        help="qwen_image: all --double + --single blocks are Qwen-Image dual-stream blocks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = build(args)
-    batch = inputs(args)
+    if args.family == "qwen_image":
+        model, batch, layout = build_qwen_image(args)
+    else:
+        model = build(args)
+        batch = inputs(args)
+        layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
     target = torch.randn_like(batch["hidden_states"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
     handle = apply_tread(model, [{"selection_ratio": args.ratios[0], "start_layer_idx": args.start,
                                   "end_layer_idx": args.end}], layout, generator=torch.Generator().manual_seed(0))
     route = handle.routes[0]
@@ -101,8 +138,11 @@ def main():
 
     n_img = args.latent_h * args.latent_w
     n_layers = args.double + args.single
-    print(f"Flux-shaped LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
-          f"{n_layers} layers ({args.double} double + {args.single} single), hidden {args.heads * args.head_dim}, "
+    blocks = (f"{n_layers} dual-stream blocks" if args.family == "qwen_image"
+              else f"{n_layers} layers ({args.double} double + {args.single} single)")
+    shape = "Qwen-Image" if args.family == "qwen_image" else "Flux"
+    print(f"{shape}-shaped LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
+          f"{blocks}, hidden {args.heads * args.head_dim}, "
           f"route layers {route.start_layer_idx}..{route.end_layer_idx}"
           f"{', gradient checkpointing' if args.checkpointing else ''}; "
           f"median of {args.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -88,7 +88,19 @@ FLUX = ModelFamily(
     num_text_encoders=2,
 )
 
+
+QWEN_IMAGE = ModelFamily(
+    name="qwen_image",
+    description="Qwen-Image (20B MMDiT, flow matching, Qwen2.5-VL-7B text encoder)",
+    adapter="simpletuner.models.qwen_image:QwenImageAdapter",
+    flavours=MappingProxyType({"v1.0": "Qwen/Qwen-Image", "v2.0": "Qwen/Qwen-Image-2512", "tiny": None}),
+    default_flavour="v1.0",
+    lora_targets=("attention", "all", "context", "context+ffs", "all+ffs"),
+    default_lora_target="attention",
+)
+
 _FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
+_FAMILIES[QWEN_IMAGE.name] = QWEN_IMAGE
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -106,7 +118,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "chroma",
     "lumina2",
     "sana",
-    "qwen_image",
     "cosmos2image",
     "hunyuanvideo",
     "omnigen",
