@@ -193,7 +193,7 @@ def family_option_errors(family: ModelFamily, values: Mapping[str, object]) -> l
     if values.get("guidance_value") is not None and not family.guidance_embeds:
         errors.append(FieldError("guidance_value", f"{family.name} has no guidance embedding to feed during "
                                                    "training; remove it (validation_guidance sets inference CFG)"))
-    for n in range(family.num_text_encoders + 1, 4):
+    for n in range(family.num_text_encoders + 1, 5):
         key = f"text_encoder_{n}_precision"
         if values.get(key) not in (None, "no_change"):
             errors.append(FieldError(key, f"{family.name} has {family.num_text_encoders} text encoder(s); "
