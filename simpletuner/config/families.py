@@ -99,8 +99,22 @@ QWEN_IMAGE = ModelFamily(
     default_lora_target="attention",
 )
 
+
+HIDREAM = ModelFamily(
+    name="hidream",
+    description="HiDream-I1 (17B sparse MoE DiT, flow matching, CLIP-L + CLIP-G + T5-XXL + Llama-3.1-8B text encoders)",
+    adapter="simpletuner.models.hidream:HiDreamAdapter",
+    flavours=MappingProxyType({"full": "HiDream-ai/HiDream-I1-Full", "dev": "HiDream-ai/HiDream-I1-Dev",
+                               "fast": "HiDream-ai/HiDream-I1-Fast", "tiny": None}),
+    default_flavour="full",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    num_text_encoders=4,
+)
+
 _FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
 _FAMILIES[QWEN_IMAGE.name] = QWEN_IMAGE
+_FAMILIES[HIDREAM.name] = HIDREAM
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -114,7 +128,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "sd2x",
     "kolors",
     "ltxvideo",
-    "hidream",
     "chroma",
     "lumina2",
     "sana",
