@@ -112,9 +112,21 @@ HIDREAM = ModelFamily(
     num_text_encoders=4,
 )
 
+
+Z_IMAGE = ModelFamily(
+    name="z_image",
+    description="Z-Image (6B single-stream DiT, flow matching, Qwen3-4B text encoder)",
+    adapter="simpletuner.models.z_image:ZImageAdapter",
+    flavours=MappingProxyType({"base": "Tongyi-MAI/Z-Image", "turbo": "Tongyi-MAI/Z-Image-Turbo", "tiny": None}),
+    default_flavour="base",
+    lora_targets=("attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
 _FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
 _FAMILIES[QWEN_IMAGE.name] = QWEN_IMAGE
 _FAMILIES[HIDREAM.name] = HIDREAM
+_FAMILIES[Z_IMAGE.name] = Z_IMAGE
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -135,7 +147,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "hunyuanvideo",
     "omnigen",
     "flux2",
-    "z_image",
 )
 
 
