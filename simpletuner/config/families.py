@@ -123,10 +123,23 @@ Z_IMAGE = ModelFamily(
     default_lora_target="attention",
 )
 
+
+COSMOS2IMAGE = ModelFamily(
+    name="cosmos2image",
+    description="NVIDIA Cosmos-Predict2 text-to-image (2B / 14B DiT, EDM trained as weighted flow matching, T5-XXL)",
+    adapter="simpletuner.models.cosmos2image:Cosmos2ImageAdapter",
+    flavours=MappingProxyType({"2b": "nvidia/Cosmos-Predict2-2B-Text2Image",
+                               "14b": "nvidia/Cosmos-Predict2-14B-Text2Image", "tiny": None}),
+    default_flavour="2b",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
 _FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
 _FAMILIES[QWEN_IMAGE.name] = QWEN_IMAGE
 _FAMILIES[HIDREAM.name] = HIDREAM
 _FAMILIES[Z_IMAGE.name] = Z_IMAGE
+_FAMILIES[COSMOS2IMAGE.name] = COSMOS2IMAGE
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -143,7 +156,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "chroma",
     "lumina2",
     "sana",
-    "cosmos2image",
     "hunyuanvideo",
     "omnigen",
     "flux2",
