@@ -135,11 +135,25 @@ COSMOS2IMAGE = ModelFamily(
     default_lora_target="attention",
 )
 
+
+FLUX2 = ModelFamily(
+    name="flux2",
+    description="Black Forest Labs FLUX.2 (dev: 32B MMDiT with Mistral-Small-3.1; Klein 4B / 9B with Qwen3; flow matching)",
+    adapter="simpletuner.models.flux2:Flux2Adapter",
+    flavours=MappingProxyType({"dev": "black-forest-labs/FLUX.2-dev", "klein-4b": "black-forest-labs/FLUX.2-klein-base-4B",
+                               "klein-9b": "black-forest-labs/FLUX.2-klein-base-9B", "tiny": None}),
+    default_flavour="klein-9b",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    guidance_embeds=True,  # dev's distilled guidance; Klein has none and ignores guidance_value
+)
+
 _FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
 _FAMILIES[QWEN_IMAGE.name] = QWEN_IMAGE
 _FAMILIES[HIDREAM.name] = HIDREAM
 _FAMILIES[Z_IMAGE.name] = Z_IMAGE
 _FAMILIES[COSMOS2IMAGE.name] = COSMOS2IMAGE
+_FAMILIES[FLUX2.name] = FLUX2
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -158,7 +172,6 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "sana",
     "hunyuanvideo",
     "omnigen",
-    "flux2",
 )
 
 
