@@ -104,7 +104,8 @@ class Wizard:
             return lambda text: check_train_field(answers, key, text)
 
         families = family_names()
-        answers["model_family"] = self.ask(f"Model family ({', '.join(families)})", families[0], train("model_family"))
+        default = "flux" if "flux" in families else families[0]  # the worked example, not the first alphabetically
+        answers["model_family"] = self.ask(f"Model family ({', '.join(families)})", default, train("model_family"))
         family = get_family(answers["model_family"])
         answers["model_flavour"] = self.ask(
             f"Flavour ({', '.join(family.flavours)})", family.default_flavour, train("model_flavour")
