@@ -245,6 +245,10 @@ class Cosmos2ImageAdapter(ModelAdapter):
                                                prefix="transformer")
 
     # ---- validation ----------------------------------------------------------------------------------------
+    def _pipeline(self, transformer, text_components):
+        # the guardrail is Cosmos2TrainingPipeline's to choose, whatever a model folder's model_index names
+        return super()._pipeline(transformer, {**text_components, "safety_checker": None})
+
     def validation_pipeline_kwargs(self, text, negative=None, *, guidance: float, guidance_real: float) -> dict:
         """Cosmos has no guidance embedding; its ``guidance_scale`` is classifier-free guidance, which the pipeline
         runs above 1 (adding ``scale * (cond - uncond)``; its default is 7): ``guidance_real`` is passed as it is
