@@ -49,3 +49,27 @@ def test_tread_is_refused_where_tokens_carry_their_own_modulation(adapter):
                                             joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=True)
     assert adapter.tread_layout(edit_like) is None
     assert adapter.tread_layout(adapter.load_transformer()) is not None
+
+
+def test_tread_routes_the_same_tokens_under_gradient_checkpointing(adapter):
+    """Checkpointed blocks get their arguments positionally, and recompute in backward: the layout's positions
+    must find the image tokens and the rotary table there, so both runs give the same loss and gradients."""
+    from simpletuner.training.tread import apply_tread
+
+    text = TextEmbedding.collate(adapter.encode_prompts(["a red circle", "a blue square"]))
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.4, 0.6])
+    results = []
+    for checkpointing in (False, True):
+        transformer = adapter.load_transformer().train()
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+        handle = apply_tread(transformer, [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": 1}],
+                             adapter.tread_layout(transformer), generator=torch.Generator().manual_seed(1))
+        loss = adapter.predict(transformer, latents, t, text).pow(2).mean()
+        loss.backward()
+        results.append((loss.item(), transformer.transformer_blocks[1].attn.to_q.weight.grad.clone(),
+                        handle.last_selection[0].shape[1]))
+    (plain, grad_plain, kept_plain), (ckpt, grad_ckpt, kept_ckpt) = results
+    assert kept_plain == kept_ckpt == 8  # half of the 16 image tokens
+    assert abs(plain - ckpt) < 1e-6 and torch.allclose(grad_plain, grad_ckpt, atol=1e-6)
