@@ -15,7 +15,8 @@ path is the one training takes. Attention dominates at this size (2048 tokens ag
 in the real models at high resolution. With ``--family wan`` the model is diffusers' WanTransformer3DModel (12 blocks,
 hidden 128) on a (16, 4, 64, 128) video latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample
 by simpletuner.models.wan's layout) and 64 text tokens. Configs are timed round-robin so background load hits them
-alike.
+alike. ``--family qwen_image`` times a Qwen-Image-shaped transformer (the same 12 blocks, all dual-stream,
+routed by the Qwen-Image adapter's TREAD layout).
 """
 
 from __future__ import annotations
@@ -182,7 +183,38 @@ def build_family(args):
     return _AdapterStep(adapter, model), model, batch, torch.randn_like(latents), adapter.tread_layout(model)
 
 
-FAMILIES = ("flux", "sd3", "auraflow", "pixart_sigma", "chroma", "wan")
+def build_qwen_image(args):
+    """(model, inputs, layout) for a Qwen-Image-shaped LoRA step: diffusers' QwenImageTransformer2DModel with random
+    weights, ``--double + --single`` dual-stream blocks (Qwen-Image has only those) of ``--heads x --head-dim``,
+    ``--latent-h x --latent-w`` packed image tokens and ``--text-tokens`` text tokens; LoRA on the attention of
+    both streams (the ``all`` preset), routed through the adapter's own TREAD layout."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from simpletuner.models.qwen_image import LORA_PRESETS, qwen_image_tread_layout
+
+    torch.manual_seed(0)
+    third = (args.head_dim // 3) // 2 * 2
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=args.double + args.single,
+        attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=64,
+        axes_dims_rope=(args.head_dim - 2 * third, third, third),
+    )
+    model.requires_grad_(False)
+    model = inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=LORA_PRESETS["all"]), model)
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    batch = dict(
+        hidden_states=torch.randn(args.batch, args.latent_h * args.latent_w, 64, generator=g),
+        encoder_hidden_states=torch.randn(args.batch, args.text_tokens, 64, generator=g),
+        timestep=torch.rand(args.batch, generator=g),
+        img_shapes=[[(1, args.latent_h, args.latent_w)]] * args.batch,
+    )
+    return model, batch, qwen_image_tread_layout(model)
+
+
+FAMILIES = ("flux", "sd3", "auraflow", "pixart_sigma", "chroma", "wan", "qwen_image")
 
 
 def main():
@@ -213,6 +245,10 @@ def main():
         batch = inputs(args)
         target = torch.randn_like(batch["hidden_states"])
         layout = TreadLayout(blocks=list(model.transformer_blocks) + list(model.single_transformer_blocks))
+    elif args.family == "qwen_image":
+        model, batch, layout = build_qwen_image(args)
+        step = model
+        target = torch.randn_like(batch["hidden_states"])
     elif args.family == "wan":
         model = step = build_wan(args)
         batch = wan_inputs(args)
@@ -236,7 +272,7 @@ def main():
 
     n_img = args.latent_h * args.latent_w * (args.frames if args.family == "wan" else 1)
     n_layers = args.double + args.single
-    one_kind = args.family in ("sd3", "pixart_sigma", "wan")
+    one_kind = args.family in ("sd3", "pixart_sigma", "wan", "qwen_image")
     kinds = "one kind of block" if one_kind else f"{args.double} double + {args.single} single"
     print(f"{args.family} LoRA training step, {n_img} image + {args.text_tokens} text tokens, batch {args.batch}, "
           f"{n_layers} layers ({kinds}), hidden {args.heads * args.head_dim}, "

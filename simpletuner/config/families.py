@@ -244,8 +244,69 @@ CHROMA = ModelFamily(
     default_lora_target="all",
 )
 
+
+QWEN_IMAGE = ModelFamily(
+    name="qwen_image",
+    description="Qwen-Image (20B MMDiT, flow matching, Qwen2.5-VL-7B text encoder)",
+    adapter="simpletuner.models.qwen_image:QwenImageAdapter",
+    flavours=MappingProxyType({"v1.0": "Qwen/Qwen-Image", "v2.0": "Qwen/Qwen-Image-2512", "tiny": None}),
+    default_flavour="v1.0",
+    lora_targets=("attention", "all", "context", "context+ffs", "all+ffs"),
+    default_lora_target="attention",
+)
+
+
+HIDREAM = ModelFamily(
+    name="hidream",
+    description="HiDream-I1 (17B sparse MoE DiT, flow matching, CLIP-L + CLIP-G + T5-XXL + Llama-3.1-8B text encoders)",
+    adapter="simpletuner.models.hidream:HiDreamAdapter",
+    flavours=MappingProxyType({"full": "HiDream-ai/HiDream-I1-Full", "dev": "HiDream-ai/HiDream-I1-Dev",
+                               "fast": "HiDream-ai/HiDream-I1-Fast", "tiny": None}),
+    default_flavour="full",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    num_text_encoders=4,
+)
+
+
+Z_IMAGE = ModelFamily(
+    name="z_image",
+    description="Z-Image (6B single-stream DiT, flow matching, Qwen3-4B text encoder)",
+    adapter="simpletuner.models.z_image:ZImageAdapter",
+    flavours=MappingProxyType({"base": "Tongyi-MAI/Z-Image", "turbo": "Tongyi-MAI/Z-Image-Turbo", "tiny": None}),
+    default_flavour="base",
+    lora_targets=("attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
+
+COSMOS2IMAGE = ModelFamily(
+    name="cosmos2image",
+    description="NVIDIA Cosmos-Predict2 text-to-image (2B / 14B DiT, EDM trained as weighted flow matching, T5-XXL)",
+    adapter="simpletuner.models.cosmos2image:Cosmos2ImageAdapter",
+    flavours=MappingProxyType({"2b": "nvidia/Cosmos-Predict2-2B-Text2Image",
+                               "14b": "nvidia/Cosmos-Predict2-14B-Text2Image", "tiny": None}),
+    default_flavour="2b",
+    lora_targets=("attention", "self-attention", "all+ffs"),
+    default_lora_target="attention",
+)
+
+
+FLUX2 = ModelFamily(
+    name="flux2",
+    description="Black Forest Labs FLUX.2 (dev: 32B MMDiT with Mistral-Small-3.1; Klein 4B / 9B with Qwen3; flow matching)",
+    adapter="simpletuner.models.flux2:Flux2Adapter",
+    flavours=MappingProxyType({"dev": "black-forest-labs/FLUX.2-dev", "klein-4b": "black-forest-labs/FLUX.2-klein-base-4B",
+                               "klein-9b": "black-forest-labs/FLUX.2-klein-base-9B", "tiny": None}),
+    default_flavour="klein-9b",
+    lora_targets=("attention", "all", "context", "all+ffs"),
+    default_lora_target="attention",
+    guidance_embeds=True,  # dev's distilled guidance; Klein has none and ignores guidance_value
+)
+
 _FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, WAN, LTXVIDEO)
+    f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, HIDREAM, QWEN_IMAGE, COSMOS2IMAGE,
+                        FLUX2, Z_IMAGE, WAN, LTXVIDEO)
 }
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
@@ -255,13 +316,8 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "sd1x",
     "sd2x",
     "kolors",
-    "hidream",
-    "qwen_image",
-    "cosmos2image",
     "hunyuanvideo",
     "omnigen",
-    "flux2",
-    "z_image",
 )
 
 
@@ -337,7 +393,7 @@ def family_option_errors(family: ModelFamily, values: Mapping[str, object]) -> l
     if values.get("guidance_value") is not None and not family.guidance_embeds:
         errors.append(FieldError("guidance_value", f"{family.name} has no guidance embedding to feed during "
                                                    "training; remove it (validation_guidance sets inference CFG)"))
-    for n in range(family.num_text_encoders + 1, 4):
+    for n in range(family.num_text_encoders + 1, 5):
         key = f"text_encoder_{n}_precision"
         if values.get(key) not in (None, "no_change"):
             errors.append(FieldError(key, f"{family.name} has {family.num_text_encoders} text encoder(s); "

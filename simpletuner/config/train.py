@@ -354,6 +354,7 @@ class TrainConfig(StrictModel):
     text_encoder_1_precision: Precision = _field("no_change", "memory", "quantize text encoder 1")
     text_encoder_2_precision: Precision = _field("no_change", "memory", "quantize text encoder 2")
     text_encoder_3_precision: Precision = _field("no_change", "memory", "quantize text encoder 3")
+    text_encoder_4_precision: Precision = _field("no_change", "memory", "quantize text encoder 4 (HiDream's Llama)")
     base_model_default_dtype: Literal["bf16", "fp32"] = _field(
         "bf16", "memory", "dtype of the base model's unquantized weights"
     )
@@ -554,7 +555,7 @@ class TrainConfig(StrictModel):
             quanto = [
                 name
                 for name in ("base_model_precision", "text_encoder_1_precision", "text_encoder_2_precision",
-                             "text_encoder_3_precision")
+                             "text_encoder_3_precision", "text_encoder_4_precision")
                 if getattr(self, name).endswith("-quanto")
             ]
             if quanto:

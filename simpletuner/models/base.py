@@ -38,8 +38,19 @@ class TextEmbedding:
 
     @staticmethod
     def collate(items: list["TextEmbedding"]) -> dict[str, torch.Tensor]:
+        """Stack a batch; variable-length sequences (an LLM encoder's tokens and their masks, kept unpadded in the
+        cache) are right-padded with zeros to the longest, zero meaning "not a token" in a mask."""
         keys = items[0].tensors.keys()
-        return {k: torch.stack([it.tensors[k] for it in items]) for k in keys}
+        return {k: _stack_padded([it.tensors[k] for it in items]) for k in keys}
+
+
+def _stack_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors)
+    if any(t.dim() == 0 or t.shape[1:] != tensors[0].shape[1:] for t in tensors):
+        raise ValueError(f"text embeddings differ beyond their length: {[tuple(t.shape) for t in tensors]}")
+    longest = max(t.shape[0] for t in tensors)
+    return torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in tensors])
 
 
 class _AdapterMeta(ABCMeta):
@@ -130,15 +141,19 @@ class ModelAdapter(metaclass=_AdapterMeta):
 
     def component_identity(self, component: str) -> str:
         """A stable string naming the weights of ``component`` (a cache fingerprint ingredient)."""
-        path = self.model_path()
+        path, revision = self.component_source(component)
         folder = Path(path) / component
         digest = ""
         for name in ("config.json", "tokenizer_config.json"):
             cfg = folder / name
             if cfg.is_file():
                 digest += hashlib.sha256(cfg.read_bytes()).hexdigest()[:16]
-        revision = getattr(self.config, "revision", None) or ""
-        return json.dumps([self.family, path, component, revision, digest])
+        return json.dumps([self.family, path, component, revision or "", digest])
+
+    def component_source(self, component: str) -> tuple[str, str | None]:
+        """(path or hub id, revision) holding the ``component`` subfolder: the model itself, unless the family keeps
+        a component in another repository (HiDream's Llama text encoder)."""
+        return self.model_path(), getattr(self.config, "revision", None)
 
     # ---- loading ---------------------------------------------------------------------------------------
     def denoiser_source(self) -> tuple[str, str | None]:
@@ -176,11 +191,12 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def load_text_encoders(self) -> None:
         """Load ``self.text_encoders`` and ``self.tokenizers`` from ``text_encoder_specs`` (frozen, eval, on
         ``self.device``) and apply ``text_encoder_<n>_precision``."""
-        path, revision = self.model_path(), self.config.revision
-        self.tokenizers = [tok_cls.from_pretrained(path, subfolder=tok_dir, revision=revision)
-                           for _, _, tok_dir, tok_cls in self.text_encoder_specs]
-        self.text_encoders = [enc_cls.from_pretrained(path, subfolder=enc_dir, revision=revision,
-                                                      dtype=self.weight_dtype)
+        def load(cls, folder, **kwargs):
+            path, revision = self.component_source(folder)
+            return cls.from_pretrained(path, subfolder=folder, revision=revision, **kwargs)
+
+        self.tokenizers = [load(tok_cls, tok_dir) for _, _, tok_dir, tok_cls in self.text_encoder_specs]
+        self.text_encoders = [load(enc_cls, enc_dir, dtype=self.weight_dtype)
                               for enc_dir, enc_cls, _, _ in self.text_encoder_specs]
         for encoder in self.text_encoders:
             encoder.requires_grad_(False).eval().to(self.device)
@@ -391,6 +407,12 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def validation_conditioning(self, text: dict[str, torch.Tensor], height: int, width: int) -> dict:
         """Extra pipeline arguments a validation call needs besides the prompt (Wan I2V: the first frame)."""
         return {}
+
+    def scheduler_input(self, prediction: torch.Tensor, noisy_latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the pipeline hands its scheduler's ``step`` when the denoiser predicts ``prediction`` (``predict``'s
+        output) for ``noisy_latents`` at ``t``: the prediction in the pipeline's layout, unless the pipeline
+        preconditions its model (Cosmos hands an EDM noise estimate built from the input and the velocity)."""
+        return self.pipeline_latents(prediction)
 
     def preview_decoder_source(self) -> tuple[str, str | None] | None:
         """(path or hub id, subfolder) of the Tiny AutoEncoder that decodes live previews, or None if the family

@@ -181,3 +181,81 @@ def autoencoder_tiny(latent_channels: int):
         encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
         latent_channels=latent_channels, num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1),
     )
+
+
+# ---- byte-level BPE tokenizers (Qwen, Llama 3, Mistral), built offline ----------------------------------------------
+# whole words of the instruction templates the LLM-encoder pipelines wrap prompts in (Qwen-Image's system prompt is
+# then 34 tokens, as with the real tokenizer, so the pipeline's fixed drop index cuts exactly the template)
+TEMPLATE_WORDS = (
+    "system", "user", "assistant", "Describe", "image", "by", "detailing", "color", "shape", "size", "texture",
+    "quantity", "text", "spatial", "relationships", "objects", "background", "You", "are", "AI", "that", "reasons",
+    "about", "descriptions", "give", "structured", "responses", "focusing", "object", "attribution", "actions",
+    "without", "speculation",
+)
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>")
+# Qwen3's chat template, for what the pipelines render: one user turn, the generation prompt, the thinking switch
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
+
+def byte_level_bpe(words=()) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab, merges) of a byte-level BPE as GPT-2-style tokenizers (Qwen, Llama 3, Mistral) lay them out: the 256
+    byte symbols, then merges learned (deterministically, by the tokenizers library's trainer) from ``_WORDS`` +
+    ``words``, bare and with a leading space, so that each of those words is one token."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=100_000, min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [form for word in dict.fromkeys((*_WORDS, *words)) for form in (word, " " + word)]
+    backend.train_from_iterator(corpus, trainer)
+    model = json.loads(backend.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+def qwen2_tokenizer(max_length: int = 32768, chat_template: str | None = QWEN3_CHAT_TEMPLATE):
+    """A byte-level BPE ``Qwen2Tokenizer`` (the class Qwen2.5-VL, Qwen3 and their pipelines load) with Qwen's chat
+    special tokens and the template words as single tokens."""
+    from transformers import AddedToken, Qwen2Tokenizer
+
+    vocab, merges = byte_level_bpe(TEMPLATE_WORDS)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length,
+                               errors="replace", clean_up_tokenization_spaces=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in QWEN_SPECIALS
+                                                                 if t != "<|endoftext|>"]})
+    tokenizer.add_tokens(["<think>", "</think>"])
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def fast_byte_level_tokenizer(*, bos: str, eos: str, specials=(), max_length: int = 131072, add_bos: bool = True,
+                              chat_template: str | None = None):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` that prepends ``bos`` (Llama 3's and Mistral's tokenizers are
+    of this kind), with the template words as single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = byte_level_bpe(TEMPLATE_WORDS)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos,
+                                        model_max_length=max_length, clean_up_tokenization_spaces=False)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    if add_bos:
+        bos_id = tokenizer.convert_tokens_to_ids(bos)
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer

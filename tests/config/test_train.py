@@ -165,6 +165,8 @@ BAD_INPUTS = [
     pytest.param({"prediction_type": "x0"}, "prediction_type", "flow_matching", id="prediction-type"),
     pytest.param({"text_encoder_3_precision": "int8-quanto"}, "text_encoder_3_precision",
                  "flux has 2 text encoder(s); there is no text encoder 3", id="text-encoder-3"),
+    pytest.param({"text_encoder_4_precision": "int8-quanto"}, "text_encoder_4_precision",
+                 "flux has 2 text encoder(s); there is no text encoder 4", id="text-encoder-4"),
     pytest.param({"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr", "not flow_matching", id="zsnr-flow"),
     pytest.param({"lora_init_type": "kaiming"}, "lora_init_type", "default, gaussian, loftq, olora, pissa",
                  id="lora-init"),
@@ -334,7 +336,7 @@ def test_every_field_has_a_description_and_a_group_the_form_shows():
     for name, prop in properties.items():
         assert prop.get("description"), name
         assert prop.get("group") in shown, name
-    assert properties["model_family"]["enum"] == family_names()  # the table, whatever it holds
+    assert properties["model_family"]["enum"] == family_names() and "flux" in family_names()  # the table
     assert properties["config_version"]["readOnly"] is True
     # a field put in a group the form does not know is refused when the schema is defined
     from simpletuner.config.train import _field
