@@ -50,6 +50,7 @@ class DatasetSamples:
     samples: list[Sample] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     repeats: int = 0
+    probability: float = 1.0  # relative chance of a batch coming from this dataset (see sampler.py)
 
 
 def _round_to(x: float, multiple: int) -> int:
@@ -151,7 +152,8 @@ def discover(backend, defaults, multiple: int) -> DatasetSamples:
     root = Path(backend.instance_data_dir).expanduser()
     if not root.is_dir():
         raise DatasetError(f"datasets[{backend.id}].instance_data_dir: folder {root} does not exist")
-    result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0))
+    result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0),
+                            probability=float(getattr(backend, "probability", 1.0) or 1.0))
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
     for path in files:
         try:

@@ -159,7 +159,7 @@ def test_configure_with_piped_answers(tmp_path):
     assert again.returncode == 1 and "already exist; use --force" in again.stderr
     forced = simpletuner("configure", "--force", cwd=tmp_path, stdin="\n" * 20)
     assert forced.returncode == 0, forced.stderr
-    assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "dev"
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "krea"
 
 
 def test_configure_custom_paths_and_early_eof(tmp_path):
