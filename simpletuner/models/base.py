@@ -175,6 +175,11 @@ class ModelAdapter(metaclass=_AdapterMeta):
 
                 quantize_model(encoder, precision, exclude=[], field=f"text_encoder_{n}_precision")
 
+    def unload_vae(self) -> None:
+        """Drop the VAE (``offload_during_startup``: it is not held while the text encoders run); it is loaded
+        again on its next use."""
+        self.vae = None
+
     def unload_encoders(self) -> None:
         """Drop the VAE and text encoders (after caching they are not needed for training)."""
         self.vae = None
@@ -265,6 +270,17 @@ class ModelAdapter(metaclass=_AdapterMeta):
     @abstractmethod
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
         """PEFT target module names for the family's ``lora_target`` preset (declared in the family table)."""
+
+    #: lycoris_config.apply_preset used when the config names none (a key of lycoris_presets() or a lycoris preset)
+    default_lycoris_preset: str = "full"
+
+    def lycoris_presets(self) -> dict[str, dict]:
+        """Named LyCORIS presets for this family's module classes (lycoris' ``apply_preset`` format)."""
+        return {}
+
+    def lycoris_module_aliases(self) -> dict[str, str]:
+        """Generic module class names in SimpleTuner's LyCORIS examples -> this family's class names."""
+        return {}
 
     def transformer_depth(self) -> int:
         """How many blocks a TREAD route can index (read from config, without loading weights)."""

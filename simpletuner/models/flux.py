@@ -138,6 +138,20 @@ class FluxAdapter(ModelAdapter):
             raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(presets)}")
         return presets[preset]
 
+    # SimpleTuner trains LyCORIS on Flux's attention by default
+    default_lycoris_preset = "attn-only"
+
+    def lycoris_presets(self) -> dict[str, dict]:
+        return {
+            "attn-only": {"target_module": ["FluxAttention"]},
+            "attn-mlp": {"target_module": ["FluxAttention", "FeedForward"]},
+            "full": {"target_module": ["FluxTransformerBlock", "FluxSingleTransformerBlock"]},
+        }
+
+    def lycoris_module_aliases(self) -> dict[str, str]:
+        # diffusers' Flux names its attention class FluxAttention; SimpleTuner's examples say "Attention"
+        return {"Attention": "FluxAttention"}
+
     def transformer_depth(self) -> int:
         """Double + single blocks, read from config.json (or a single file's tensor names) without loading weights."""
         path, subfolder = self.denoiser_source()

@@ -7,6 +7,7 @@ A checkpoint folder ``checkpoint-<step>`` holds
   (FSDP / DeepSpeed ZeRO): each rank writes and reads back its own shard;
 - ``scheduler.pt``;
 - ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
+- ``ema.pt`` with ``use_ema``: the EMA of the trained weights and its update count;
 - ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
 
 Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
@@ -108,7 +109,8 @@ def _load(path: Path):
 # ---- save / load ---------------------------------------------------------------------------------------------
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
-                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False) -> Path:
+                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False,
+                    ema_state: dict | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
@@ -135,6 +137,8 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             if not sharded_optimizer:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            if ema_state is not None:
+                torch.save(ema_state, tmp / "ema.pt")
             meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
             if final.exists():  # re-running the same step (e.g. after resume): replace
@@ -163,9 +167,10 @@ def read_training_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
-                    world_size: int = 1) -> dict[str, torch.Tensor]:
-    """Restore optimizer, scheduler, this rank's RNG and the run position into ``state``; returns the trainable
-    weights. A checkpoint with per-rank optimizer shards needs the world size it was saved with."""
+                    world_size: int = 1, ema=None) -> dict[str, torch.Tensor]:
+    """Restore optimizer, scheduler, the EMA (when ``ema`` is given), this rank's RNG and the run position into
+    ``state``; returns the trainable weights. A checkpoint with per-rank optimizer shards needs the world size it
+    was saved with."""
     path = Path(path)
     saved = read_training_state(path)
     saved_world = int(saved.get("world_size", 1))
@@ -180,6 +185,8 @@ def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, ran
     optimizer_file = path / (f"optimizer-rank{rank}.pt" if saved.get("sharded_optimizer") else "optimizer.pt")
     optimizer.load_state_dict(_load(optimizer_file))
     lr_scheduler.load_state_dict(_load(path / "scheduler.pt"))
+    if ema is not None and (path / "ema.pt").is_file():
+        ema.load_state_dict(_load(path / "ema.pt"), str(path / "ema.pt"))
     restore_rng(_load(rng_file), state.generator)
     state.restore_position(saved)
     return trainable
