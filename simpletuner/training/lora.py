@@ -132,11 +132,25 @@ def lycoris_state_dict(network) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in network.state_dict().items()}
 
 
-def load_lycoris_state(network, state: dict[str, torch.Tensor], source: str) -> None:
-    missing, unexpected = network.load_state_dict(state, strict=False)
+def lycoris_trainable_state(network) -> dict[str, torch.Tensor]:
+    """The network's parameters as they are (checkpoints): lycoris' own state dict stores some algorithms as a
+    difference from the base weight (``full``), which does not round-trip bit for bit."""
+    return {n: p.detach().to("cpu").contiguous().clone() for n, p in network.named_parameters()}
+
+
+def load_lycoris_trainable(network, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``lycoris_trainable_state`` weights; any mismatch is an error naming the file."""
+    params = dict(network.named_parameters())
+    missing, unexpected = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
     if missing or unexpected:
-        raise ValueError(f"{source}: the LyCORIS weights do not match this network (missing {list(missing)[:3]}, "
-                         f"unexpected {list(unexpected)[:3]}); was lycoris_config changed?")
+        raise ValueError(f"{source}: the LyCORIS weights do not match this network (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); was lycoris_config changed?")
+    with torch.no_grad():
+        for name, param in params.items():
+            if state[name].shape != param.shape:
+                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the network "
+                                 f"{tuple(param.shape)}; was lycoris_config changed?")
+            param.copy_(state[name])
 
 
 def save_lycoris(network, output_dir, state: dict[str, torch.Tensor] | None = None, name: str = LYCORIS_WEIGHTS):

@@ -31,8 +31,8 @@ from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.evaluator import Evaluator
-from simpletuner.training.lora import (add_lora, add_lycoris, load_lora_state, load_lycoris_state, lora_state_dict,
-                                       lycoris_network, lycoris_state_dict, save_lycoris)
+from simpletuner.training.lora import (add_lora, add_lycoris, load_lora_state, load_lycoris_trainable, lora_state_dict,
+                                       lycoris_network, lycoris_trainable_state, save_lycoris)
 from simpletuner.training.optimizers import (OPTIMIZERS, build_optimizer, evaluation_weights, optimizer_class,
                                              optimizer_kwargs, param_groups)
 from simpletuner.training.state import RunState
@@ -483,7 +483,7 @@ def _last_logged_loss(loss_log: Path) -> float | None:
 def _trainable_state(model, config) -> dict[str, torch.Tensor]:
     if config.model_type == "lora":
         network = lycoris_network(model)
-        return lycoris_state_dict(network) if network is not None else lora_state_dict(model)
+        return lycoris_trainable_state(network) if network is not None else lora_state_dict(model)
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -491,7 +491,7 @@ def _load_trainable(model, state, config, source: str) -> None:
     if config.model_type == "lora":
         network = lycoris_network(model)
         if network is not None:
-            load_lycoris_state(network, state, source)
+            load_lycoris_trainable(network, state, source)
         else:
             load_lora_state(model, state, source)
         return
