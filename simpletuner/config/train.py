@@ -639,6 +639,9 @@ class TrainConfig(StrictModel):
             self.flow_fast_schedule = False
         if self.attention_masked_training is None:
             self.attention_masked_training = False
+        if self.attention_masked_training and self.tread_config is not None:
+            errors.append(FieldError("attention_masked_training", "cannot be combined with tread_config (routing "
+                                                                  "changes which image tokens the mask covers)"))
         if self.flow_fast_schedule and self.prediction_type != "flow_matching":
             errors.append(FieldError("flow_fast_schedule", "applies to the flow_matching objective only"))
         if self.flow_fast_schedule and (self.flow_use_uniform_schedule or self.flow_schedule_auto_shift):
