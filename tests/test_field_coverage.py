@@ -75,6 +75,7 @@ DEVICE_REFUSED = {
     "enable_model_cpu_offload": ({"enable_model_cpu_offload": True}, "cpu", "no accelerator memory to offload"),
     "optimizer": ({"optimizer": "bnb-adamw8bit"}, "cpu", "uses bitsandbytes' CUDA kernels"),
     "base_model_precision": ({"base_model_precision": "nf4-bnb"}, "cpu", "quantizes with bitsandbytes on a CUDA"),
+    "lora_init_type": ({"lora_init_type": "loftq"}, "cpu", "quantizes the base with bitsandbytes on a CUDA GPU"),
 }
 
 DATASET_READERS: dict[str, tuple[str, str] | str] = {

@@ -35,7 +35,6 @@ BITSANDBYTES = Package("bitsandbytes", "bitsandbytes", "bnb")
 LYCORIS = Package("lycoris", "lycoris-lora", "lycoris")
 TORCHAO = Package("torchao", "torchao", "torchao")
 QUANTO = Package("optimum.quanto", "optimum-quanto", None)
-SCIPY = Package("scipy", "scipy", "loftq")
 WANDB = Package("wandb", "wandb", None)
 TENSORBOARD = Package("tensorboard", "tensorboard", "tracking")
 
@@ -92,7 +91,7 @@ def needed_packages(values: Mapping[str, Any]) -> list[tuple[str, Package]]:
     if values.get("model_type", "lora") == "lora" and values.get("lora_type") == "lycoris":
         needs.append(("lora_type", LYCORIS))
     if values.get("model_type", "lora") == "lora" and values.get("lora_init_type") == "loftq":
-        needs.append(("lora_init_type", SCIPY))  # peft's LoftQ quantizer builds its NF4 levels with scipy
+        needs.append(("lora_init_type", BITSANDBYTES))  # peft's LoftQ quantizes with bitsandbytes
     for name in _PRECISION_FIELDS:
         package = _precision_package(str(values.get(name) or "no_change"))
         if package is not None:
@@ -138,6 +137,9 @@ def device_errors(values: Mapping[str, Any], device_type: str) -> list[FieldErro
         if precision == "fp8-quanto" and device_type == "mps":
             errors.append(FieldError(name, "'fp8-quanto' needs float8 support, which the mps device lacks; "
                                            "use 'int8-quanto'"))
+    if values.get("model_type", "lora") == "lora" and values.get("lora_init_type") == "loftq" and device_type != "cuda":
+        errors.append(FieldError("lora_init_type", f"'loftq' quantizes the base with bitsandbytes on a CUDA GPU and "
+                                                   f"this run is on {device_type}; use 'default' here"))
     if values.get("enable_model_cpu_offload") and device_type == "cpu":
         errors.append(FieldError("enable_model_cpu_offload", "the run is on the CPU, so there is no accelerator "
                                                              "memory to offload the VAE and text encoders from; "

@@ -19,12 +19,19 @@ def add_lora(transformer, adapter, config) -> LoraConfig:
     init = {"default": True, "gaussian": "gaussian", "loftq": "loftq", "olora": "olora", "pissa": "pissa"}[
         config.lora_init_type or "default"
     ]
+    extra = {}
+    if init == "loftq":
+        from peft import LoftQConfig
+
+        # LoftQ starts the LoRA from the 4-bit (NF4) quantization error of each weight, one alternating step
+        extra["loftq_config"] = LoftQConfig(loftq_bits=4, loftq_iter=1)
     lora_config = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha if config.lora_alpha is not None else config.lora_rank,
         lora_dropout=config.lora_dropout,
         init_lora_weights=init,
         target_modules=adapter.lora_target_modules(transformer, preset),
+        **extra,
     )
     transformer.add_adapter(lora_config, adapter_name=ADAPTER_NAME)
     if config.init_lora:
