@@ -1,4 +1,5 @@
-"""Weight memory and LoRA step time of a quanto-quantized Flux-shaped transformer vs the unquantized one.
+"""Weight memory and LoRA step time of a quantized Flux-shaped transformer (quanto, torchao, and bitsandbytes NF4
+where a CUDA GPU runs it) vs the unquantized one.
 
     .venv/bin/python benchmarks/quantize_bench.py
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import time
 
 import torch
@@ -24,7 +26,11 @@ from simpletuner.models.quantize import quantize_model, weight_bytes
 from timing import lora_step, median_cpu, round_robin
 
 PRECISIONS = ["no_change", "int8-quanto", "fp8-quanto", "int4-quanto", "int2-quanto"]
-GOALS = {"int8-quanto": 0.55, "int4-quanto": 0.30}
+if importlib.util.find_spec("torchao") is not None:
+    PRECISIONS += ["int8-torchao", "fp8-torchao"]
+if importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available():
+    PRECISIONS += ["nf4-bnb"]  # bitsandbytes quantizes on the GPU; on the CPU it is refused, so no row
+GOALS = {"int8-quanto": 0.55, "int4-quanto": 0.30, "int8-torchao": 0.55, "nf4-bnb": 0.30}
 
 
 def flux(dim: int, double: int, single: int, dtype):
@@ -44,7 +50,7 @@ def sizes(args):
         model = flux(args.dim, args.double, args.single, torch.bfloat16)
         params = sum(p.numel() for p in model.parameters())
         start = time.perf_counter()
-        quantize_model(model, precision)
+        quantize_model(model, precision, device="cuda" if precision == "nf4-bnb" else None)
         seconds = time.perf_counter() - start
         size = weight_bytes(model)
         reference = reference or size
@@ -88,16 +94,17 @@ def step_times(args):
         guidance=torch.full((1,), 3.5),
     )
     target = torch.randn_like(batch["hidden_states"])
-    models = {p: lora_model(args, p) for p in PRECISIONS}
+    timed = [p for p in PRECISIONS if p != "nf4-bnb"]  # NF4 trains on a GPU only: its step is not a CPU figure
+    models = {p: lora_model(args, p) for p in timed}
 
-    times = round_robin(lambda p: lora_step(*models[p], batch, target), PRECISIONS, args.steps)
+    times = round_robin(lambda p: lora_step(*models[p], batch, target), timed, args.steps)
     base = median_cpu(times["no_change"])
     print(f"LoRA (r=16) step time on CPU: hidden {args.step_dim}, {args.step_double} double + {args.step_single} single blocks, "
           f"{n} image + {t} text tokens, fp32 activations, median of {args.steps} steps, "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}\n")
     print("| base_model_precision | CPU s/step | vs no_change |")
     print("|---|---|---|")
-    for precision in PRECISIONS:
+    for precision in timed:
         median = median_cpu(times[precision])
         print(f"| {precision} | {median:.2f} | {median / base:.2f}x |")
 

@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# commands that take any config key as a flag, as SimpleTuner's command line does: `--lora_rank=4 --seed 42`
+CONFIG_FLAG_COMMANDS = ("train", "validate")
+
+
 class _LazyParser(argparse.ArgumentParser):
     """Top-level parser; subcommand arguments are added only for the subcommand being run."""
 
@@ -42,6 +46,9 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         extra = {"epilog": families_epilog(), "formatter_class": argparse.RawDescriptionHelpFormatter} \
             if name in ("train", "validate", "configure") else {}
+        if name in CONFIG_FLAG_COMMANDS:
+            # `--lora_rank=4` must never be taken as an abbreviation of one of the command's own options
+            extra["allow_abbrev"] = False
         sp = sub.add_parser(name, help=help_text, description=help_text, **extra)
         if name == selected:
             module = importlib.import_module(module_name)
@@ -55,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     if selected not in SUBCOMMANDS:
         selected = None
     parser = _build_parser(selected)
-    args = parser.parse_args(argv)
+    if selected in CONFIG_FLAG_COMMANDS:
+        args, config_flags = parser.parse_known_args(argv)
+        args.config_flags = config_flags
+    else:
+        args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0

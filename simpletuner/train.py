@@ -10,9 +10,9 @@ from simpletuner.training import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simpletuner.train")
+    parser = argparse.ArgumentParser(prog="python -m simpletuner.train", allow_abbrev=False)
     cli.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args, args.config_flags = parser.parse_known_args(argv)
     args.num_processes = 1  # already launched by accelerate when run this way
     return cli.run(args)
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from .data import check_paths, load_data_backends
 from .errors import ConfigError, FieldError
-from .loader import dump_train_config, load_train_config, prepare_train_config
+from .loader import dump_train_config, load_train_config, parse_extra_args, prepare_train_config
+from .requirements import missing_packages
 from .train import check_train_paths
 
 DEFAULT_CONFIG = os.path.join("config", "config.json")
@@ -42,8 +43,10 @@ def _prefixed(source: str | None, lines: list[str]) -> list[str]:
     return [f"{source}: {line}" if source else line for line in lines]
 
 
-def validate_files(config_path: str, data_backend_config: str | None = None) -> ValidationReport:
-    """Validate ``config_path`` and its data backends (``data_backend_config`` or the config's own setting).
+def validate_files(config_path: str, data_backend_config: str | None = None,
+                   overrides: dict[str, Any] | None = None) -> ValidationReport:
+    """Validate ``config_path`` (with ``overrides``, as ``train`` would apply them), the packages its options need,
+    and its data backends (``data_backend_config`` or the config's own setting).
 
     Relative paths are resolved against the working directory, as SimpleTuner does.
     """
@@ -51,18 +54,19 @@ def validate_files(config_path: str, data_backend_config: str | None = None) -> 
     config = None
     readable = True
     try:
-        loaded = load_train_config(config_path)
+        loaded = load_train_config(config_path, overrides=overrides)
     except ConfigError as exc:
         report.add(exc)
         configured = None
         try:
-            configured = prepare_train_config(config_path)[0].get("data_backend_config")
+            configured = prepare_train_config(config_path, overrides=overrides)[0].get("data_backend_config")
         except ConfigError:
             readable = False
     else:
         config = loaded.config
         report.warnings += _prefixed(config_path, loaded.warnings + check_train_paths(config))
         report.config = dump_train_config(config)
+        report.errors.extend((config_path, e) for e in missing_packages(config.__dict__))
         configured = config.data_backend_config
 
     data_path = data_backend_config or configured
@@ -102,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = validate_files(args.config, args.data_backend_config)
+    flags = getattr(args, "config_flags", None)
+    report = validate_files(args.config, args.data_backend_config, parse_extra_args(flags) if flags else None)
     if args.json:
         payload = {
             "ok": report.ok,

@@ -372,10 +372,17 @@ def load_data_backends(
     if config is not None:
         resolution = config.resolution if resolution is None else resolution
         resolution_type = config.resolution_type if resolution_type is None else resolution_type
-    if isinstance(source, (str, os.PathLike)):
-        name = os.fspath(source)
-        return parse_data_backends(read_json(source), resolution=resolution, resolution_type=resolution_type, source=name)
-    return parse_data_backends(source, resolution=resolution, resolution_type=resolution_type)
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    entries = read_json(source) if name is not None else source
+    backends = parse_data_backends(entries, resolution=resolution, resolution_type=resolution_type, source=name)
+    if config is not None:
+        errors = [FieldError(f"datasets[{d.id}].is_regularisation_data",
+                             "needs model_type 'lora': its target is the base model's own prediction (the adapter "
+                             "switched off), and a full fine-tune has no frozen base to ask")
+                  for d in backends.datasets if d.is_regularisation_data and config.model_type != "lora"]
+        if errors:
+            raise ConfigError(errors, name)
+    return backends
 
 
 def check_paths(backends: DataBackends, cwd: str | os.PathLike[str] | None = None) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .errors import ConfigError, FieldError
@@ -47,6 +47,15 @@ class ModelFamily:
     num_text_encoders: int = 1
     # "image" or "video": what its datasets hold and what validation writes (images train as 1-frame videos)
     modality: str = "image"
+    # the longest prompt (in tokens) its main text encoder takes; ``tokenizer_max_length`` is checked against it
+    max_text_length: int | None = None
+    # its transformer can mask padded text tokens in attention (``attention_masked_training``)
+    text_attention_mask: bool = False
+    # per flavour, settings it trains with unless the config says otherwise (e.g. schnell's fast schedule)
+    flavour_defaults: Mapping[str, Mapping[str, object]] = field(default_factory=lambda: MappingProxyType({}))
+    # learning-rate multipliers for trainable parameters whose names match an fnmatch pattern (first match wins);
+    # the optimizer gets one parameter group per multiplier
+    lr_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if self.default_flavour not in self.flavours:
@@ -58,6 +67,11 @@ class ModelFamily:
             raise ValueError(f"{self.name}: objectives must be some of {', '.join(OBJECTIVES)}")
         if self.modality not in ("image", "video"):
             raise ValueError(f"{self.name}: modality must be 'image' or 'video'")
+        for flavour, defaults in self.flavour_defaults.items():
+            if flavour not in self.flavours:
+                raise ValueError(f"{self.name}: flavour_defaults names {flavour!r}, which is not one of its flavours")
+            if "attention_masked_training" in defaults and not self.text_attention_mask:
+                raise ValueError(f"{self.name}: flavour {flavour!r} defaults to attention masking it lacks")
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter must be 'module:Class', got {self.adapter!r}")
 
@@ -85,11 +99,22 @@ FLUX = ModelFamily(
             "tiny": None,
         }
     ),
-    default_flavour="dev",
+    # SimpleTuner's default since FLUX.1-Krea-dev was released
+    default_flavour="krea",
     lora_targets=("all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano"),
     default_lora_target="all",
     guidance_embeds=True,
     num_text_encoders=2,
+    max_text_length=512,
+    text_attention_mask=True,
+    flavour_defaults=MappingProxyType(
+        {
+            # schnell is timestep-distilled: it trains on its few-step schedule (SimpleTuner's flux_fast_schedule)
+            "schnell": MappingProxyType({"flow_fast_schedule": True}),
+            # LibreFlux was de-distilled with padded T5 tokens masked out of attention
+            "libreflux": MappingProxyType({"attention_masked_training": True}),
+        }
+    ),
 )
 
 WAN = ModelFamily(
@@ -393,6 +418,13 @@ def family_option_errors(family: ModelFamily, values: Mapping[str, object]) -> l
     if values.get("guidance_value") is not None and not family.guidance_embeds:
         errors.append(FieldError("guidance_value", f"{family.name} has no guidance embedding to feed during "
                                                    "training; remove it (validation_guidance sets inference CFG)"))
+    length = values.get("tokenizer_max_length")
+    if length is not None and family.max_text_length is not None and length > family.max_text_length:
+        errors.append(FieldError("tokenizer_max_length", f"{length} is longer than {family.name}'s text encoder takes "
+                                                         f"({family.max_text_length} tokens)"))
+    if values.get("attention_masked_training") and not family.text_attention_mask:
+        errors.append(FieldError("attention_masked_training", f"{family.name}'s transformer cannot mask text tokens "
+                                                              "in attention; remove it"))
     for n in range(family.num_text_encoders + 1, 5):
         key = f"text_encoder_{n}_precision"
         if values.get(key) not in (None, "no_change"):

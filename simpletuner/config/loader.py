@@ -38,8 +38,6 @@ UNSUPPORTED_SIMPLETUNER_KEYS = frozenset(
         "push_checkpoints_to_hub",
         "hub_model_id",
         "model_card_safe_for_work",
-        "use_ema",
-        "ema_decay",
         "aspect_bucket_rounding",
         "disable_benchmark",
         "noise_offset",
@@ -47,7 +45,6 @@ UNSUPPORTED_SIMPLETUNER_KEYS = frozenset(
         "validation_torch_compile",
         "validation_guidance_rescale",
         "allow_tf32",
-        "lycoris_config",
         "use_dora",
         "fuse_qkv_projections",
         "snr_gamma",
@@ -59,6 +56,14 @@ UNSUPPORTED_SIMPLETUNER_KEYS = frozenset(
         "validation_noise_scheduler",
         "lr_end",
         "lr_num_cycles",
+        "ema_cpu_only",
+        "ema_foreach_disable",
+        "ema_warmup_steps",
+        "validation_lycoris_strength",
+        "data_backend_sampling",
+        "disable_assistant_lora",
+        "assistant_lora_path",
+        "i_know_what_i_am_doing",
     }
 )
 

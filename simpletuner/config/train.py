@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from typing import Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
 from .errors import ConfigError, FieldError
@@ -29,6 +31,7 @@ from .families import (
     family_option_errors,
     get_family,
 )
+from .requirements import OPTIMIZERS, PRECISIONS
 from .versions import CURRENT_CONFIG_VERSION
 
 # The field groups, in the order the web UI shows them, with their labels (every field names its group).
@@ -47,7 +50,8 @@ MAX_STEPS = 1_000_000_000
 MAX_BATCH = 65_536
 MAX_SEED = 2**32 - 1  # numpy's seed range
 
-Precision = Literal["no_change", "int8-quanto", "int4-quanto", "int2-quanto", "fp8-quanto"]
+Precision = Literal[PRECISIONS]
+LYCORIS_ALGOS = ("lokr", "loha", "locon", "lora", "full")
 
 
 def _field(default: Any, group: str, description: str, **kwargs: Any) -> Any:
@@ -179,6 +183,104 @@ class WebhookConfig(StrictModel):
         return url
 
 
+# --- optimizer kwargs, LyCORIS ---------------------------------------------------------------------------------
+
+
+def _scalar(text: str) -> Any:
+    """``"0.1"`` -> 0.1, ``"true"`` -> True, ``"none"`` -> None, ``"(0.9, 0.99)"`` -> [0.9, 0.99], else the text."""
+    value = text.strip()
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    if value[:1] in "([" and value[-1:] in ")]":
+        return [_scalar(v) for v in value[1:-1].split(",") if v.strip()]
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def parse_optimizer_config(value: Any) -> Any:
+    """SimpleTuner's ``optimizer_config``: ``"d_coef=0.1,betas=(0.9,0.99)"``, a JSON object, or a mapping."""
+    if value is None or isinstance(value, Mapping):
+        return dict(value) if value is not None else None
+    if not isinstance(value, str):
+        raise ValueError(f"expected 'key=value,key=value' or an object, got {value!r}")
+    text = value.strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
+    out: dict[str, Any] = {}
+    depth, item, items = 0, "", []
+    for ch in text:  # split on commas outside brackets: betas=(0.9,0.99) stays one item
+        depth += ch in "([" and 1 or ch in ")]" and -1 or 0
+        if ch == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    items.append(item)
+    for part in items:
+        if not part.strip():
+            continue
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{part.strip()!r} is not key=value (e.g. 'd_coef=0.1,weight_decay=0.01')")
+        out[key.strip()] = _scalar(raw)
+    return out
+
+
+def _json_or_file(value: Any, what: str) -> Any:
+    """An object as given, a JSON string, or the path of a JSON file holding it."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
+    try:
+        return json.loads(Path(text).expanduser().read_text())
+    except OSError:
+        raise ValueError(f"file {text!r} not found (expected {what} or a JSON file holding it)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{text}: not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+
+
+class LycorisConfig(BaseModel):
+    """SimpleTuner's lycoris_config.json: the algorithm, its size, where it applies, and any further keyword
+    arguments of the algorithm (passed to lycoris' ``create_lycoris`` as they are)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    algo: Literal[LYCORIS_ALGOS] = Field(description="lokr, loha, locon (= lora) or full")
+    multiplier: float = Field(1.0, description="strength the network is applied with (1.0 to train)")
+    linear_dim: Int = Field(10000, ge=1, description="rank (lokr: 10000 means 'as large as factor allows')")
+    linear_alpha: float = Field(1.0, gt=0, description="alpha scaling, as in LoRA")
+    factor: Int = Field(-1, description="lokr's Kronecker factor (-1 = automatic)")
+    apply_preset: Optional[Union[str, dict[str, Any]]] = Field(
+        None,
+        description="which modules it applies to: a lycoris preset name (full, full-lin, attn-mlp, attn-only, ...) or "
+                    "{target_module, target_name, module_algo_map, name_algo_map}; empty = the family's default",
+    )
+
+    @field_validator("algo", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+
 # --- the config ----------------------------------------------------------------------------------------------
 
 
@@ -241,13 +343,24 @@ class TrainConfig(StrictModel):
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = _field("constant", "training", "learning-rate schedule")
     lr_warmup_steps: Int = _field(0, "training", "steps of linear warmup", ge=0, le=MAX_STEPS)
-    optimizer: Literal["adamw", "adamw_bf16"] = _field(
-        "adamw", "training", "'adamw' (torch AdamW) or 'adamw_bf16' (AdamW with stochastic rounding for bf16 weights)"
+    optimizer: Literal[OPTIMIZERS] = _field(
+        "adamw",
+        "training",
+        "optimizer, by SimpleTuner's names: adamw (torch), adamw_bf16 (stochastic rounding for bf16 weights), "
+        "optimi-adamw / optimi-stableadamw / optimi-lion (Kahan summation for bf16), prodigy, adamw_schedulefree, "
+        "ademamix, and bitsandbytes' bnb-adamw8bit, bnb-lion8bit, bnb-ademamix8bit and their -paged variants "
+        "(CUDA only)",
     )
-    adam_beta1: float = _field(0.9, "training", "AdamW beta1", ge=0, lt=1)
-    adam_beta2: float = _field(0.999, "training", "AdamW beta2", ge=0, lt=1)
-    adam_weight_decay: float = _field(1e-2, "training", "AdamW weight decay", ge=0)
-    adam_epsilon: float = _field(1e-8, "training", "AdamW epsilon", gt=0)
+    optimizer_config: Optional[dict[str, Any]] = _field(
+        None,
+        "training",
+        "extra keyword arguments for the optimizer, e.g. 'd_coef=0.1,weight_decay=0.01' or a JSON object; they win "
+        "over the adam_* settings",
+    )
+    adam_beta1: float = _field(0.9, "training", "beta1 of the Adam-family (and Lion) optimizers", ge=0, lt=1)
+    adam_beta2: float = _field(0.999, "training", "beta2 of the Adam-family (and Lion) optimizers", ge=0, lt=1)
+    adam_weight_decay: float = _field(1e-2, "training", "weight decay", ge=0)
+    adam_epsilon: float = _field(1e-8, "training", "epsilon of the Adam-family optimizers", gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = _field("bf16", "training", "autocast precision")
     seed: Optional[Int] = _field(None, "training", "random seed; empty = not seeded", ge=0, le=MAX_SEED)
     gradient_checkpointing: bool = _field(False, "memory", "recompute activations in backward to save memory")
@@ -286,6 +399,13 @@ class TrainConfig(StrictModel):
         "rescale the DDPM noise schedule to zero terminal SNR (epsilon / v_prediction objectives only; pair it "
         "with v_prediction)",
     )
+    flow_fast_schedule: Optional[bool] = _field(
+        None,
+        "training",
+        "draw sigmas from a timestep-distilled model's few-step schedule (1.0 seven times in ten, else 0.75, 0.5, "
+        "0.25) instead of the sigmoid; empty = the flavour's default (on for Flux schnell). "
+        "SimpleTuner: flux_fast_schedule",
+    )
     guidance_value: Optional[float] = _field(
         None,
         "training",
@@ -323,6 +443,19 @@ class TrainConfig(StrictModel):
         "default dataset resolution type: 'pixel' = shorter edge in pixels, 'area' = megapixels, "
         "'pixel_area' = pixel edge converted to the same area",
     )
+    tokenizer_max_length: Optional[Int] = _field(
+        None,
+        "data",
+        "tokens the (main) text encoder sees per prompt; longer prompts are cut. Empty = the flavour's own "
+        "(Flux: 512, schnell 256)",
+        ge=1,
+    )
+    attention_masked_training: Optional[bool] = _field(
+        None,
+        "training",
+        "mask padding text tokens out of the transformer's attention (training and validation); empty = the "
+        "flavour's default (on for LibreFlux). SimpleTuner: flux_attention_masked_training",
+    )
     caption_dropout_probability: float = _field(
         0.0, "data", "chance of training a sample with an empty caption", ge=0, le=1
     )
@@ -335,8 +468,14 @@ class TrainConfig(StrictModel):
     lora_init_type: Literal["default", "gaussian", "loftq", "olora", "pissa"] = _field(
         "default", "lora", "how LoRA weights are initialised (peft init_lora_weights)"
     )
-    lora_type: Literal["standard"] = _field(
-        "standard", "lora", "LoRA implementation; only 'standard' (peft) is supported"
+    lora_type: Literal["standard", "lycoris"] = _field(
+        "standard", "lora", "'standard' (a peft LoRA) or 'lycoris' (LoKr, LoHa, LoCon, full; see lycoris_config)"
+    )
+    lycoris_config: Optional[LycorisConfig] = _field(
+        None,
+        "lora",
+        "the LyCORIS network for lora_type 'lycoris': a JSON file such as config/lycoris_config.json, or its "
+        "contents ({algo, multiplier, linear_dim, linear_alpha, factor, apply_preset, ...})",
     )
     lora_target: Optional[str] = _field(
         None,
@@ -368,11 +507,34 @@ class TrainConfig(StrictModel):
     group_offload_to_disk_path: Optional[str] = _field(
         None, "memory", "offload to files in this folder (not supported for training)", extra={"path": "dir"}
     )
-    enable_model_cpu_offload: bool = _field(False, "memory", "keep idle models on the CPU")
+    enable_model_cpu_offload: bool = _field(
+        False, "memory", "keep the VAE and text encoders on the CPU and move each to the accelerator only while it "
+                         "runs (caching and validation); not on a CPU-only run"
+    )
+    offload_during_startup: bool = _field(
+        False, "memory", "while caching, never hold the VAE and the text encoders in accelerator memory at once: the "
+                         "VAE leaves before the text encoders load"
+    )
+    vae_enable_tiling: bool = _field(
+        False, "memory", "encode and decode with the VAE in overlapping tiles (less memory for large images)"
+    )
     attention_mechanism: Literal["diffusers", "sdpa", "xformers", "flash-attn"] = _field(
         "sdpa", "memory", "attention implementation"
     )
     compile: bool = _field(False, "memory", "torch.compile the transformer")
+
+    # EMA
+    use_ema: bool = _field(False, "training", "keep an exponential moving average of the trained weights")
+    ema_decay: float = _field(0.995, "training", "EMA decay (ramped up from 0 over the first steps, as diffusers "
+                                                 "does)", gt=0, lt=1)
+    ema_update_interval: Int = _field(1, "training", "update the EMA every n optimizer steps", ge=1)
+    ema_device: Literal["cpu", "accelerator"] = _field(
+        "cpu", "memory", "where the EMA weights live: 'cpu' saves accelerator memory, 'accelerator' is faster"
+    )
+    ema_validation: Literal["none", "ema_only", "comparison"] = _field(
+        "comparison", "validation", "validation images with the EMA weights: 'none', 'ema_only', or 'comparison' "
+                                    "(both; EMA images are named <nickname>_ema_<size>)"
+    )
 
     # TREAD
     tread_config: Optional[TreadConfig] = _field(
@@ -476,6 +638,16 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
         return value
 
+    @field_validator("optimizer_config", mode="before")
+    @classmethod
+    def _optimizer_kwargs(cls, value: Any) -> Any:
+        return parse_optimizer_config(value)
+
+    @field_validator("lycoris_config", mode="before")
+    @classmethod
+    def _lycoris_file(cls, value: Any) -> Any:
+        return _json_or_file(value, "an object such as {\"algo\": \"lokr\", \"factor\": 16}")
+
     @field_validator("webhook_config", mode="before")
     @classmethod
     def _webhook_list(cls, value: Any) -> Any:
@@ -522,6 +694,21 @@ class TrainConfig(StrictModel):
         else:
             if self.pretrained_model_name_or_path is None:
                 self.pretrained_model_name_or_path = family.default_weights(self.model_flavour)
+            for name, value in family.flavour_defaults.get(self.model_flavour, {}).items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
+        if self.flow_fast_schedule is None:
+            self.flow_fast_schedule = False
+        if self.attention_masked_training is None:
+            self.attention_masked_training = False
+        if self.attention_masked_training and self.tread_config is not None:
+            errors.append(FieldError("attention_masked_training", "cannot be combined with tread_config (routing "
+                                                                  "changes which image tokens the mask covers)"))
+        if self.flow_fast_schedule and self.prediction_type != "flow_matching":
+            errors.append(FieldError("flow_fast_schedule", "applies to the flow_matching objective only"))
+        if self.flow_fast_schedule and (self.flow_use_uniform_schedule or self.flow_schedule_auto_shift):
+            other = "flow_use_uniform_schedule" if self.flow_use_uniform_schedule else "flow_schedule_auto_shift"
+            errors.append(FieldError("flow_fast_schedule", f"draws its own sigmas; it cannot be combined with {other}"))
 
         if not self.max_train_steps and not self.num_train_epochs:
             errors.append(
@@ -543,6 +730,9 @@ class TrainConfig(StrictModel):
             errors.append(FieldError("resolution", message))
 
         quantized = self.base_model_precision != "no_change"
+        if self.lora_type == "lycoris" and self.base_model_precision in ("int8-torchao", "fp8-torchao", "nf4-bnb"):
+            errors.append(FieldError("base_model_precision", f"{self.base_model_precision!r} cannot carry a LyCORIS "
+                                                             "network; use a quanto precision or lora_type 'standard'"))
         if self.model_type == "full" and quantized:
             errors.append(
                 FieldError(
@@ -568,6 +758,27 @@ class TrainConfig(StrictModel):
                 )
         if self.model_type == "full" and self.init_lora:
             errors.append(FieldError("init_lora", "needs model_type 'lora'"))
+        if self.lora_type == "lycoris" and self.model_type == "lora":
+            if self.lycoris_config is None:
+                errors.append(FieldError("lycoris_config", "is required with lora_type 'lycoris', e.g. "
+                                                           '{"algo": "lokr", "linear_dim": 10000, "linear_alpha": 1, '
+                                                           '"factor": 16}'))
+            if self.lora_init_type != "default":
+                errors.append(FieldError("lora_init_type", f"{self.lora_init_type!r} initialises peft LoRAs; "
+                                                           "lora_type 'lycoris' initialises its own"))
+            if self.init_lora:
+                errors.append(FieldError("init_lora", "loads a peft LoRA; it cannot start a lora_type 'lycoris' "
+                                                      "network"))
+            if self.lora_target not in (None, family.default_lora_target):
+                errors.append(FieldError("lora_target", "chooses peft LoRA layers; with lora_type 'lycoris' set "
+                                                        "lycoris_config.apply_preset instead"))
+        elif self.lycoris_config is not None and self.model_type == "lora":
+            errors.append(FieldError("lycoris_config", "is only read with lora_type 'lycoris'; set lora_type or "
+                                                       "remove it"))
+        if self.model_type == "full" and (self.lora_type != "standard" or self.lycoris_config is not None):
+            errors.append(FieldError("lora_type", "LyCORIS trains an adapter: it needs model_type 'lora'"))
+        if self.optimizer_config is not None and "lr" in self.optimizer_config:
+            errors.append(FieldError("optimizer_config.lr", "set learning_rate instead"))
         if self.optimizer == "adamw_bf16" and self.base_model_default_dtype != "bf16":
             errors.append(FieldError("optimizer", "'adamw_bf16' needs base_model_default_dtype 'bf16'"))
         if self.enable_group_offload and self.enable_model_cpu_offload:

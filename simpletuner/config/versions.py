@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ConfigError, FieldError
 
-CURRENT_CONFIG_VERSION = 2
+CURRENT_CONFIG_VERSION = 3
 
 Migration = Callable[[dict[str, Any], list[str]], dict[str, Any]]
 
@@ -73,10 +73,37 @@ def _v1_to_v2(raw: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
     return out
 
 
+# More of SimpleTuner's flux_* options became family-checked values.
+_V2_FAMILY_OPTIONS = {
+    "flux_fast_schedule": "flow_fast_schedule",
+    "flux_attention_masked_training": "attention_masked_training",
+}
+
+
+def _v2_to_v3(raw: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """v2 → v3: ``flux_fast_schedule`` / ``flux_attention_masked_training`` become ``flow_fast_schedule`` /
+    ``attention_masked_training`` (the family table says which flavours default to them and which families can
+    mask attention); as in v1 → v2, silent on flux and dropped with a warning on other families."""
+    out = dict(raw)
+    family = out.get("model_family")
+    for old, new in _V2_FAMILY_OPTIONS.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if family not in (None, "flux"):
+            warnings.append(f"{old}: only applies to model_family flux, not {family!r}; ignored")
+        elif new in out:
+            warnings.append(f"{old}: renamed to {new}, which is also set; using {new}={out[new]!r}")
+        else:
+            out[new] = value
+    return out
+
+
 # from-version → migration to from-version + 1
 MIGRATIONS: dict[int, Migration] = {
     0: _v0_to_v1,
     1: _v1_to_v2,
+    2: _v2_to_v3,
 }
 
 

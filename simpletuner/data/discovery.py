@@ -61,6 +61,7 @@ class DatasetSamples:
     samples: list[Sample] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     repeats: int = 0
+    probability: float = 1.0  # relative chance of a batch coming from this dataset (see sampler.py)
 
 
 def _round_to(x: float, multiple: int) -> int:
@@ -169,7 +170,8 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
     if temporal_compression is None and getattr(backend, "dataset_type", "image") == "video":
         raise DatasetError(f"datasets[{backend.id}].dataset_type: 'video' needs a video model family "
                            "(wan, ltxvideo, hunyuanvideo); this one trains on images")
-    result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0))
+    result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0),
+                            probability=float(getattr(backend, "probability", 1.0) or 1.0))
     video = temporal_compression is not None
     wanted = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in wanted and p.is_file())

@@ -169,6 +169,7 @@ class ValidationRunner:
             text, negative, guidance=self.config.validation_guidance,
             guidance_real=self.config.validation_guidance_real,
         )
+        kwargs.update(self.adapter.validation_attention_kwargs(text, negative, width, height))
         every = self.config.validation_preview_steps
         if self.preview_decoder is not None:
             kwargs.update(self.adapter.preview_callback_kwargs(

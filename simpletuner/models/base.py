@@ -105,6 +105,7 @@ class ModelAdapter(metaclass=_AdapterMeta):
         # how many encoder forwards ran in this process (a warm cache must keep these at zero)
         self.vae_forwards = 0
         self.text_encoder_forwards = 0
+        self._offload_hooks: list[Any] = []  # enable_model_cpu_offload: accelerate hooks of the encoders
 
     # ---- where the weights live -------------------------------------------------------------------------
     def model_path(self) -> str:
@@ -185,8 +186,28 @@ class ModelAdapter(metaclass=_AdapterMeta):
         path = self.config.pretrained_vae_model_name_or_path or self.model_path()
         subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
         self.vae = vae_class.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
-        self.vae.requires_grad_(False).eval().to(self.device)
+        if getattr(self.config, "vae_enable_tiling", False):
+            self.vae.enable_tiling()  # overlapping tiles: large images encode and decode in bounded memory
+        self.vae.requires_grad_(False).eval()
+        self._place(self.vae)
         return self.vae
+
+    def _place(self, module: torch.nn.Module) -> None:
+        """Put a frozen encoder on the device, or (``enable_model_cpu_offload``) keep it on the CPU with a hook that
+        moves it to the device for its forward; ``offload_idle`` sends it back."""
+        if getattr(self.config, "enable_model_cpu_offload", False) and self.device.type != "cpu":
+            from accelerate import cpu_offload_with_hook
+
+            module.to("cpu")
+            _, hook = cpu_offload_with_hook(module, execution_device=self.device)
+            self._offload_hooks.append(hook)
+        else:
+            module.to(self.device)
+
+    def offload_idle(self) -> None:
+        """``enable_model_cpu_offload``: move the encoders that ran back to the CPU (no-op otherwise)."""
+        for hook in self._offload_hooks:
+            hook.offload()
 
     def load_text_encoders(self) -> None:
         """Load ``self.text_encoders`` and ``self.tokenizers`` from ``text_encoder_specs`` (frozen, eval, on
@@ -198,9 +219,10 @@ class ModelAdapter(metaclass=_AdapterMeta):
         self.tokenizers = [load(tok_cls, tok_dir) for _, _, tok_dir, tok_cls in self.text_encoder_specs]
         self.text_encoders = [load(enc_cls, enc_dir, dtype=self.weight_dtype)
                               for enc_dir, enc_cls, _, _ in self.text_encoder_specs]
-        for encoder in self.text_encoders:
-            encoder.requires_grad_(False).eval().to(self.device)
         self.quantize_text_encoders()
+        for encoder in self.text_encoders:
+            encoder.requires_grad_(False).eval()
+            self._place(encoder)
 
     def quantize_text_encoders(self) -> None:
         """Apply ``text_encoder_<n>_precision`` to the loaded text encoders (frozen, so any quanto type works)."""
@@ -210,6 +232,11 @@ class ModelAdapter(metaclass=_AdapterMeta):
                 from simpletuner.models.quantize import quantize_model
 
                 quantize_model(encoder, precision, exclude=[], field=f"text_encoder_{n}_precision")
+
+    def unload_vae(self) -> None:
+        """Drop the VAE (``offload_during_startup``: it is not held while the text encoders run); it is loaded
+        again on its next use."""
+        self.vae = None
 
     def unload_encoders(self) -> None:
         """Drop the VAE and text encoders (after caching they are not needed for training)."""
@@ -267,6 +294,7 @@ class ModelAdapter(metaclass=_AdapterMeta):
         cfg = self.vae.config
         latents = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mean
         self.vae_forwards += 1
+        self.offload_idle()
         return ((latents - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor).float().cpu()
 
     @torch.no_grad()
@@ -293,8 +321,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
         return []
 
     def vae_cache_identity(self) -> str:
-        """Like ``text_cache_identity`` for latents."""
-        return self.component_identity("vae")
+        """Like ``text_cache_identity`` for latents (tiled encoding can change them, so it is part of it)."""
+        tiled = "|tiled" if getattr(self.config, "vae_enable_tiling", False) else ""
+        return self.component_identity("vae") + tiled
 
     # ---- training ----------------------------------------------------------------------------------------
     @cached_property
@@ -327,6 +356,17 @@ class ModelAdapter(metaclass=_AdapterMeta):
     @abstractmethod
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
         """PEFT target module names for the family's ``lora_target`` preset (declared in the family table)."""
+
+    #: lycoris_config.apply_preset used when the config names none (a key of lycoris_presets() or a lycoris preset)
+    default_lycoris_preset: str = "full"
+
+    def lycoris_presets(self) -> dict[str, dict]:
+        """Named LyCORIS presets for this family's module classes (lycoris' ``apply_preset`` format)."""
+        return {}
+
+    def lycoris_module_aliases(self) -> dict[str, str]:
+        """Generic module class names in SimpleTuner's LyCORIS examples -> this family's class names."""
+        return {}
 
     def transformer_depth(self) -> int:
         """How many blocks a TREAD route can index (read from config, without loading weights)."""
@@ -391,6 +431,11 @@ class ModelAdapter(metaclass=_AdapterMeta):
             return {}
 
         return {"callback_on_step_end": callback, "callback_on_step_end_tensor_inputs": ["latents"]}
+    def validation_attention_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None,
+                                    width: int, height: int) -> dict:
+        """Extra pipeline arguments that depend on the image size (e.g. an attention mask over text + image
+        tokens); none by default."""
+        return {}
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents in the training layout ((B, C, h, w) or (B, C, F, h, w)) -> the pipeline's ``latents=`` argument

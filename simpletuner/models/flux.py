@@ -67,13 +67,30 @@ class FluxAdapter(ModelAdapter):
             prompt=list(prompts), prompt_2=None, device=self.device, max_sequence_length=self.t5_max_length
         )
         self.text_encoder_forwards += 1
-        return [
-            TextEmbedding({"prompt_embeds": prompt_embeds[i].float().cpu(), "pooled_prompt_embeds": pooled[i].float().cpu()})
-            for i in range(len(prompts))
-        ]
+        self.offload_idle()
+        if not self.masked:
+            return [TextEmbedding({"prompt_embeds": prompt_embeds[i].float().cpu(),
+                                   "pooled_prompt_embeds": pooled[i].float().cpu()}) for i in range(len(prompts))]
+        # the T5 tokens the pipeline padded (the same tokenizer call it makes), zeroed and masked out later
+        mask = shell.tokenizer_2(list(prompts), padding="max_length", max_length=self.t5_max_length, truncation=True,
+                                 return_tensors="pt").attention_mask.bool()
+        prompt_embeds = prompt_embeds.float().cpu() * mask.unsqueeze(-1)
+        return [TextEmbedding({"prompt_embeds": prompt_embeds[i], "pooled_prompt_embeds": pooled[i].float().cpu(),
+                               "attention_mask": mask[i]}) for i in range(len(prompts))]
+
+    @property
+    def masked(self) -> bool:
+        """``attention_masked_training``: padded T5 tokens are kept out of attention (LibreFlux's default)."""
+        return bool(getattr(self.config, "attention_masked_training", False))
 
     def text_identity_extras(self) -> list[str]:
-        return [f"t5_len={self.t5_max_length}"]
+        return [f"t5_len={self.t5_max_length}"] + (["t5_mask"] if self.masked else [])
+
+    def joint_attention_mask(self, text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+        """(B, T) text mask -> the (B, 1, 1, T + N) boolean mask over [text, image] tokens that Flux's attention
+        takes (image tokens are always attended)."""
+        image = torch.ones(text_mask.shape[0], image_tokens, dtype=torch.bool, device=text_mask.device)
+        return torch.cat([text_mask.bool(), image], dim=1)[:, None, None, :]
 
     # ---- training ----------------------------------------------------------------------------------------
     @staticmethod
@@ -101,7 +118,7 @@ class FluxAdapter(ModelAdapter):
         dtype = model.dtype
         device = noisy_latents.device
         prompt_embeds = text["prompt_embeds"].to(device, dtype)
-        return {
+        inputs = {
             "hidden_states": self.pack_latents(noisy_latents).to(dtype),
             "timestep": t.to(device, dtype),
             "guidance": self.guidance_vector(model, b, device, dtype),
@@ -111,6 +128,13 @@ class FluxAdapter(ModelAdapter):
             "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             "return_dict": False,
         }
+        if self.masked:
+            if "attention_mask" not in text:
+                raise ValueError("attention_masked_training: these text embeddings were cached without their T5 "
+                                 "attention mask; delete the text cache so they are encoded again")
+            inputs["joint_attention_kwargs"] = {
+                "attention_mask": self.joint_attention_mask(text["attention_mask"].to(device), (h // 2) * (w // 2))}
+        return inputs
 
     def predict(self, transformer, noisy_latents, t, text: dict[str, torch.Tensor]) -> torch.Tensor:
         _, _, h, w = noisy_latents.shape
@@ -138,6 +162,20 @@ class FluxAdapter(ModelAdapter):
             raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(presets)}")
         return presets[preset]
 
+    # SimpleTuner trains LyCORIS on Flux's attention by default
+    default_lycoris_preset = "attn-only"
+
+    def lycoris_presets(self) -> dict[str, dict]:
+        return {
+            "attn-only": {"target_module": ["FluxAttention"]},
+            "attn-mlp": {"target_module": ["FluxAttention", "FeedForward"]},
+            "full": {"target_module": ["FluxTransformerBlock", "FluxSingleTransformerBlock"]},
+        }
+
+    def lycoris_module_aliases(self) -> dict[str, str]:
+        # diffusers' Flux names its attention class FluxAttention; SimpleTuner's examples say "Attention"
+        return {"Attention": "FluxAttention"}
+
     def transformer_depth(self) -> int:
         """Double + single blocks, read from config.json (or a single file's tensor names) without loading weights."""
         path, subfolder = self.denoiser_source()
@@ -160,6 +198,18 @@ class FluxAdapter(ModelAdapter):
             kwargs.update(negative_prompt_embeds=negative["prompt_embeds"],
                           negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"], true_cfg_scale=guidance_real)
         return kwargs
+
+    def validation_attention_kwargs(self, text, negative, width: int, height: int) -> dict:
+        """With ``attention_masked_training`` validation images are made with the same masking; the pipeline runs
+        its true-CFG negative pass with the same kwargs, so that pass attends to the union of both prompts' tokens
+        (their padding embeddings are zero either way)."""
+        if not self.masked:
+            return {}
+        mask = text["attention_mask"].bool()
+        if negative is not None and "attention_mask" in negative:
+            mask = mask | negative["attention_mask"].bool()
+        tokens = (height // 16) * (width // 16)
+        return {"joint_attention_kwargs": {"attention_mask": self.joint_attention_mask(mask, tokens)}}
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pack_latents(latents)

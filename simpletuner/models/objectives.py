@@ -75,14 +75,19 @@ class Objective(ABC):
         return (pred.float() - target.float()).pow(2).flatten(1).mean(1)
 
 
+# a timestep-distilled model's few-step schedule (SimpleTuner's flux_fast_schedule): sigma 1.0 seven times in ten
+FAST_SCHEDULE_SIGMAS = (1.0,) * 7 + (0.75, 0.5, 0.25)
+
+
 class FlowMatching(Objective):
-    """Rectified flow with SD3/Flux timestep sampling and shift."""
+    """Rectified flow with SD3/Flux timestep sampling and shift (or the fast schedule of a distilled model)."""
 
     name = "flow_matching"
 
     def __init__(self, *, shift: float = 1.0, auto_shift: bool = False, uniform: bool = False,
                  sigmoid_scale: float = 1.0, base_seq_len: int = 256, max_seq_len: int = 4096,
-                 base_shift: float = 0.5, max_shift: float = 1.15):
+                 base_shift: float = 0.5, max_shift: float = 1.15, fast: bool = False):
+        self.fast = fast
         self.shift = float(shift or 1.0)
         self.auto_shift = auto_shift
         self.uniform = uniform
@@ -99,6 +104,7 @@ class FlowMatching(Objective):
             uniform=bool(config.flow_use_uniform_schedule), sigmoid_scale=float(config.flow_sigmoid_scale),
             base_seq_len=int(sc.get("base_image_seq_len") or 256), max_seq_len=int(sc.get("max_image_seq_len") or 4096),
             base_shift=float(sc.get("base_shift") or 0.5), max_shift=float(sc.get("max_shift") or 1.15),
+            fast=bool(getattr(config, "flow_fast_schedule", False)),
         )
 
     def resolution_mu(self, image_seq_len: int) -> float:
@@ -115,6 +121,9 @@ class FlowMatching(Objective):
         return self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
 
     def sample_timesteps(self, batch: int, *, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        if self.fast:  # drawn as they are: the distilled model's own steps, no shift
+            choice = torch.randint(0, len(FAST_SCHEDULE_SIGMAS), (batch,), generator=generator)
+            return torch.tensor(FAST_SCHEDULE_SIGMAS)[choice]
         if self.uniform:
             sigmas = torch.rand(batch, generator=generator)
         else:  # logit-normal: more mass mid-range

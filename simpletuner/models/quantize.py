@@ -1,4 +1,5 @@
-"""Weight-only quantization of frozen base models with optimum-quanto.
+"""Weight-only quantization of frozen base models: optimum-quanto (``*-quanto``), torchao (``int8-torchao``,
+``fp8-torchao``) and bitsandbytes NF4 (``nf4-bnb``, CUDA only).
 
 LoRA training on a quantized base: the base's linear weights are quantized (int8/int4/int2/fp8) and frozen, the
 LoRA adapters added on top stay in full precision and are the only trainable parameters. A LoRA trained this way
@@ -24,7 +25,9 @@ QUANTO_PRECISIONS: dict[str, str] = {
     "int2-quanto": "qint2",
     "fp8-quanto": "qfloat8",
 }
-PRECISIONS: tuple[str, ...] = ("no_change", *QUANTO_PRECISIONS)
+TORCHAO_PRECISIONS = ("int8-torchao", "fp8-torchao")
+BNB_PRECISIONS = ("nf4-bnb",)
+PRECISIONS: tuple[str, ...] = ("no_change", *QUANTO_PRECISIONS, *TORCHAO_PRECISIONS, *BNB_PRECISIONS)
 
 # Layers kept in full precision by default. They are small (a few MB in a 12B Flux) but sit where rounding error
 # hurts most: the patch/text/time embedders that every token passes through first, and the final adaptive norm and
@@ -60,6 +63,9 @@ def check_quantization_supported(precision: str, device_type: str, *, field: str
         raise ValueError(f"{field}: {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "no_change":
         return
+    if precision in BNB_PRECISIONS and device_type != "cuda":
+        raise ValueError(f"{field}: {precision!r} quantizes with bitsandbytes on a CUDA GPU and this run is on "
+                         f"{device_type}; use 'int4-quanto' or 'int8-torchao' here")
     if precision == "fp8-quanto" and device_type == "mps":
         raise ValueError(f"{field}: fp8-quanto needs float8 support, which the mps device lacks; use int8-quanto")
     if device_type not in ("cpu", "cuda", "mps", "xpu"):
@@ -108,21 +114,71 @@ def quantize_model(
     if precision == "no_change":
         return module
 
-    from optimum.quanto import freeze, quantize
-
     if device is not None:
         check_quantization_supported(precision, _device_type(device), field=field)
         module.to(device)
     else:
         first = next(iter(module.parameters()), None)
-        check_quantization_supported(precision, first.device.type if first is not None else "cpu", field=field)
+        device = first.device if first is not None else "cpu"
+        check_quantization_supported(precision, _device_type(device), field=field)
     patterns = list(DEFAULT_EXCLUDE if exclude is None else exclude)
-    quantize(module, weights=_qtype(precision), exclude=patterns or None)
-    freeze(module)
+    if precision in TORCHAO_PRECISIONS:
+        _quantize_torchao(module, precision, patterns)
+    elif precision in BNB_PRECISIONS:
+        _quantize_nf4(module, patterns, device)
+    else:
+        from optimum.quanto import freeze, quantize
+
+        quantize(module, weights=_qtype(precision), exclude=patterns or None)
+        freeze(module)
     module.requires_grad_(False)
     logger.info("%s: quantized %d linear layers to %s (%d kept full precision)", field,
                 count_quantized(module), precision, _count_linear(module) - count_quantized(module))
     return module
+
+
+def selected_linears(module, exclude: Iterable[str]) -> list[str]:
+    """Names of the ``nn.Linear`` submodules a quantizer converts: all but those matching ``exclude``."""
+    import fnmatch
+
+    import torch
+
+    patterns = list(exclude)
+    return [name for name, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear) and not any(fnmatch.fnmatch(name, p) for p in patterns)]
+
+
+def _quantize_torchao(module, precision: str, exclude: list[str]) -> None:
+    """torchao weight-only int8 / float8 on the selected linears (LoRA trains on top through peft)."""
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ImportError(f"{precision} needs the torchao package: pip install 'simpletuner[torchao]'") from None
+    chosen = set(selected_linears(module, exclude))
+    config = Int8WeightOnlyConfig() if precision == "int8-torchao" else Float8WeightOnlyConfig()
+    quantize_(module, config, filter_fn=lambda m, name: name in chosen)
+
+
+def _quantize_nf4(module, exclude: list[str], device) -> None:
+    """bitsandbytes NF4: each selected linear becomes a ``Linear4bit`` whose weight is quantized when it moves to
+    the CUDA device (bitsandbytes quantizes on the GPU)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ImportError("nf4-bnb needs the bitsandbytes package: pip install 'simpletuner[bnb]'") from None
+    import torch
+
+    for name in selected_linears(module, exclude):
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        linear = getattr(parent, child)
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=linear.weight.dtype if linear.weight.dtype != torch.float32 else
+                              torch.bfloat16, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(linear.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
+        if linear.bias is not None:
+            q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, child, q.to(device))
 
 
 def _device_type(device) -> str:
@@ -130,10 +186,15 @@ def _device_type(device) -> str:
 
 
 def count_quantized(module: "torch.nn.Module") -> int:
-    """Number of quanto-quantized submodules in `module`."""
+    """Number of quantized submodules in `module` (quanto modules, torchao-quantized or NF4 linears)."""
     from optimum.quanto.nn import QModuleMixin
 
-    return sum(isinstance(m, QModuleMixin) for m in module.modules())
+    def quantized(m) -> bool:
+        weight = getattr(m, "weight", None)
+        return isinstance(m, QModuleMixin) or (weight is not None and (
+            type(weight).__module__.startswith(("torchao", "bitsandbytes"))))
+
+    return sum(quantized(m) for m in module.modules())
 
 
 def _count_linear(module) -> int:

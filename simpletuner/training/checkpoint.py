@@ -7,6 +7,7 @@ A checkpoint folder ``checkpoint-<step>`` holds
   (FSDP / DeepSpeed ZeRO): each rank writes and reads back its own shard;
 - ``scheduler.pt``;
 - ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
+- ``ema.pt`` with ``use_ema``: the EMA of the trained weights and its update count;
 - ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
 
 Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
@@ -133,7 +134,8 @@ def _fsync_tree(folder: Path) -> None:
 # ---- save / load ---------------------------------------------------------------------------------------------
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
-                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False) -> Path:
+                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False,
+                    ema_state: dict | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
@@ -161,6 +163,8 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             failpoints.hit("checkpoint.save", step)  # crash drills: die with the checkpoint half-written
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+            if ema_state is not None:
+                torch.save(ema_state, tmp / "ema.pt")
             meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
             _fsync_tree(tmp)
@@ -210,6 +214,8 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
         raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
     parts["optimizer"] = _load(path / (f"optimizer-rank{rank}.pt" if sharded else "optimizer.pt"))
     parts["scheduler"] = _load(path / "scheduler.pt")
+    if (path / "ema.pt").is_file():
+        parts["ema"], parts["ema_file"] = _load(path / "ema.pt"), str(path / "ema.pt")
     for r in range(saved_world):
         rng = _load(path / _rng_file(r))
         if r == rank:
@@ -217,7 +223,9 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
     return parts
 
 
-def _restore(parts: dict, state: RunState, optimizer, lr_scheduler) -> dict[str, torch.Tensor]:
+def _restore(parts: dict, state: RunState, optimizer, lr_scheduler, ema=None) -> dict[str, torch.Tensor]:
+    if ema is not None and "ema" in parts:  # first: it checks the saved shapes against the model
+        ema.load_state_dict(parts["ema"], parts["ema_file"])
     optimizer.load_state_dict(parts["optimizer"])
     lr_scheduler.load_state_dict(parts["scheduler"])
     restore_rng(parts["rng"], state.generator)
@@ -226,15 +234,15 @@ def _restore(parts: dict, state: RunState, optimizer, lr_scheduler) -> dict[str,
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
-                    world_size: int = 1) -> dict[str, torch.Tensor]:
-    """Restore optimizer, scheduler, this rank's RNG and the run position into ``state``; returns the trainable
-    weights. Everything is read (and checked) before anything is restored. A checkpoint with per-rank optimizer
-    shards needs the world size it was saved with."""
-    return _restore(read_checkpoint(path, rank, world_size), state, optimizer, lr_scheduler)
+                    world_size: int = 1, ema=None) -> dict[str, torch.Tensor]:
+    """Restore optimizer, scheduler, the EMA (when ``ema`` is given), this rank's RNG and the run position into
+    ``state``; returns the trainable weights. Everything is read (and checked) before anything is restored. A
+    checkpoint with per-rank optimizer shards needs the world size it was saved with."""
+    return _restore(read_checkpoint(path, rank, world_size), state, optimizer, lr_scheduler, ema)
 
 
 def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: RunState, *, optimizer, lr_scheduler,
-           rank: int = 0, world_size: int = 1) -> tuple[Path, dict[str, torch.Tensor]] | None:
+           rank: int = 0, world_size: int = 1, ema=None) -> tuple[Path, dict[str, torch.Tensor]] | None:
     """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights), or None when there is
     nothing to resume. With ``latest`` a damaged newest checkpoint is reported by file and the one before it used."""
     if not resume_from_checkpoint:
@@ -242,14 +250,14 @@ def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: Ru
     if resume_from_checkpoint != "latest":
         path = resolve_resume(output_dir, resume_from_checkpoint)
         return path, load_checkpoint(path, state, optimizer=optimizer, lr_scheduler=lr_scheduler, rank=rank,
-                                     world_size=world_size)
+                                     world_size=world_size, ema=ema)
     for path in reversed(list_checkpoints(output_dir)):
         try:
             parts = read_checkpoint(path, rank, world_size)
         except CheckpointDamaged as exc:
             log.warning("%s; resuming from the checkpoint before it", exc)
             continue
-        return path, _restore(parts, state, optimizer, lr_scheduler)
+        return path, _restore(parts, state, optimizer, lr_scheduler, ema)
     return None
 
 

@@ -1,7 +1,9 @@
 """``simpletuner train``: validate the config and its data backends, then train in the foreground.
 
-Nothing is written before both configs validate. With ``--num_processes N`` (N > 1) the same trainer is started
-under ``accelerate launch`` with N processes.
+Any config key can be given as a flag, as on SimpleTuner's command line (``--lora_rank=4``, ``--seed 42``, a bare
+``--gradient_checkpointing`` for true); flags and ``--set key=value`` win over the file. Nothing is written before
+both configs validate and the packages the options need are found. With ``--num_processes N`` (N > 1) the same
+trainer is started under ``accelerate launch`` with N processes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes to launch with accelerate (one per GPU); default 1")
 
 
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    out = {}
+def parse_overrides(items: list[str], config_flags: list[str] | None = None) -> dict:
+    """Config overrides from SimpleTuner-style flags (``--key=value``, ``--key value``, ``--flag``) and then
+    ``--set KEY=VALUE`` items (which win)."""
+    from simpletuner.config.loader import parse_extra_args
+
+    out: dict = {}
+    if config_flags:
+        stray = [t for i, t in enumerate(config_flags) if not t.startswith("--")
+                 and (i == 0 or not config_flags[i - 1].startswith("--") or "=" in config_flags[i - 1])]
+        if stray:
+            raise SystemExit(f"error: unexpected argument {stray[0]!r}: config keys are given as --key=value, "
+                             "--key value or --flag")
+        out.update(parse_extra_args(config_flags))
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -65,7 +78,7 @@ def launch_command(args) -> list[str]:
         cmd += ["--data_backend_config", args.data_backend_config]
     for item in args.set:
         cmd += ["--set", item]
-    return cmd
+    return cmd + list(getattr(args, "config_flags", None) or [])
 
 
 def launch_env() -> dict[str, str]:
@@ -83,9 +96,20 @@ def _has_cuda() -> bool:
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
+def check_packages(config) -> None:
+    """Exit 1, before anything is loaded or cached, when an option needs a package that is not installed."""
+    from simpletuner.config.requirements import missing_packages
+
+    errors = missing_packages(config.__dict__)
+    if errors:
+        print("error: missing packages\n" + "\n".join(str(e) for e in errors), file=sys.stderr)
+        raise SystemExit(1)
+
+
 def run(args) -> int:
-    overrides = parse_overrides(args.set)
+    overrides = parse_overrides(args.set, getattr(args, "config_flags", None))
     loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
+    check_packages(loaded.config)
     if args.num_processes > 1:
         return subprocess.call(launch_command(args), env=launch_env())
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log

@@ -21,7 +21,7 @@ from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_text_ca
                                     text_key)
 from simpletuner.data.discovery import DatasetError, Sample, discover
 from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
-from simpletuner.evaluation.prompts import validation_prompts
+from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
 from simpletuner.evaluation.trackers import Trackers
 from simpletuner.evaluation.validation import (
     PreviewImage,
@@ -94,11 +94,19 @@ class Evaluator:
         self._runner: ValidationRunner | None = None
         self._scorer = None
         self._last_validated: int | None = None
+        self.ema = None  # set by attach(): the EMA of the trained weights (use_ema)
+        self.optimizer = None
         self._last_evaluated: int | None = None
         if trackers is None and self.is_main:
             with preserve_rng_state():  # a tracker library drawing random ids must not shift the training RNG
                 trackers = Trackers(config)
         self.trackers = trackers
+
+    def attach(self, *, ema=None, optimizer=None) -> None:
+        """The run's EMA (validated per ``ema_validation``) and optimizer (a schedule-free one validates its averaged
+        weights)."""
+        self.ema = ema
+        self.optimizer = optimizer
 
     # ---- caches -----------------------------------------------------------------------------------------
     def captions(self) -> list[str]:
@@ -214,11 +222,14 @@ class Evaluator:
         return metrics
 
     def _work(self, step, transformer, metrics, validate, evaluate):
+        from simpletuner.training.optimizers import evaluation_weights
+
         model = self.accelerator.unwrap_model(transformer)
-        if validate:
-            metrics.update(self.validate(step, model))
-        if evaluate:
-            metrics.update(self.evaluate(model))
+        with evaluation_weights(self.optimizer):
+            if validate:
+                metrics.update(self.validate(step, model))
+            if evaluate:
+                metrics.update(self.evaluate(model))
 
     def evaluate(self, model) -> dict[str, float]:
         """Eval loss of ``model`` (the unwrapped transformer) on the eval datasets."""
@@ -230,8 +241,14 @@ class Evaluator:
         return metrics
 
     def validate(self, step: int, model) -> dict[str, float]:
-        """Generate, save and send the validation images of ``step``; returns their CLIP scores (if on)."""
-        images = self.runner().run(model, self.prompts, self.resolutions, step)
+        """Generate, save and send the validation images of ``step`` (with the trained weights, the EMA weights or
+        both, as ``ema_validation`` says); returns their CLIP scores (if on)."""
+        mode = self.config.ema_validation if self.ema is not None else "none"
+        images = [] if mode == "ema_only" else self.runner().run(model, self.prompts, self.resolutions, step)
+        if mode in ("ema_only", "comparison"):
+            ema_prompts = [ValidationPrompt(f"{p.nickname}_ema", p.prompt) for p in self.prompts]
+            with self.ema.swapped_in():
+                images += self.runner().run(model, ema_prompts, self.resolutions, step)
         kind = "video(s)" if self.adapter.is_video else "image(s)"
         log.info("validation: %d %s in %s", len(images), kind, images[0].path.parent if images else "-")
         if self.trackers is not None:

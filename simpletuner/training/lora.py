@@ -19,12 +19,19 @@ def add_lora(transformer, adapter, config) -> LoraConfig:
     init = {"default": True, "gaussian": "gaussian", "loftq": "loftq", "olora": "olora", "pissa": "pissa"}[
         config.lora_init_type or "default"
     ]
+    extra = {}
+    if init == "loftq":
+        from peft import LoftQConfig
+
+        # LoftQ starts the LoRA from the 4-bit (NF4) quantization error of each weight, one alternating step
+        extra["loftq_config"] = LoftQConfig(loftq_bits=4, loftq_iter=1)
     lora_config = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha if config.lora_alpha is not None else config.lora_rank,
         lora_dropout=config.lora_dropout,
         init_lora_weights=init,
         target_modules=adapter.lora_target_modules(transformer, preset),
+        **extra,
     )
     transformer.add_adapter(lora_config, adapter_name=ADAPTER_NAME)
     if config.init_lora:
@@ -69,3 +76,110 @@ def load_initial_lora(transformer, path: str | Path) -> None:
         prefix = next((p for p in _LORA_KEY_PREFIXES if key.startswith(p)), "")
         state[key[len(prefix):]] = value
     load_lora_state(transformer, state, f"init_lora {path}")
+
+
+# ---- LyCORIS (lora_type: lycoris) ------------------------------------------------------------------------------
+# lycoris' network class keeps its module targets in class attributes; they are set for one build and put back
+_PRESET_ATTRS = ("ENABLE_CONV", "TARGET_REPLACE_MODULE", "TARGET_REPLACE_NAME", "MODULE_ALGO_MAP", "NAME_ALGO_MAP",
+                 "LORA_PREFIX", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
+LYCORIS_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def lycoris_preset(adapter, preset) -> dict:
+    """``lycoris_config.apply_preset`` as lycoris' ``apply_preset`` takes it: a preset name (the family's own
+    presets first, then lycoris' built-in ones) or a dict whose module class names may use the generic spellings
+    SimpleTuner's examples use (``Attention``, ``FeedForward``), mapped to the family's classes."""
+    from lycoris.config import PRESET
+
+    family_presets = adapter.lycoris_presets()
+    if preset is None:
+        preset = adapter.default_lycoris_preset
+    if isinstance(preset, str):
+        if preset in family_presets:
+            return dict(family_presets[preset])
+        if preset in PRESET:
+            builtin = PRESET[preset]
+            return {"enable_conv": builtin.get("enable_conv", False),
+                    "target_module": list(builtin.get("unet_target_module", [])),
+                    "target_name": list(builtin.get("unet_target_name", []))}
+        raise ValueError(f"lycoris_config.apply_preset: {preset!r} is not a preset; one of "
+                         f"{', '.join([*family_presets, *PRESET])}")
+    out = dict(preset)
+    aliases = adapter.lycoris_module_aliases()
+    if "target_module" in out:
+        out["target_module"] = [aliases.get(m, m) for m in out["target_module"]]
+    if "module_algo_map" in out:
+        out["module_algo_map"] = {aliases.get(k, k): v for k, v in out["module_algo_map"].items()}
+    return out
+
+
+def add_lycoris(transformer, adapter, config):
+    """Freeze the transformer and attach the LyCORIS network of ``lycoris_config``; returns the network (whose
+    parameters are the trainable ones)."""
+    from lycoris import LycorisNetwork, create_lycoris
+
+    transformer.requires_grad_(False)
+    settings = config.lycoris_config.model_dump()
+    preset = lycoris_preset(adapter, settings.pop("apply_preset", None))
+    algo = settings.pop("algo")
+    saved = {name: getattr(LycorisNetwork, name) for name in _PRESET_ATTRS}
+    try:
+        LycorisNetwork.apply_preset(preset)
+        network = create_lycoris(transformer, settings.pop("multiplier"), settings.pop("linear_dim"),
+                                 settings.pop("linear_alpha"), algo=algo, warn_on_unmatched=False, **settings)
+    finally:
+        for name, value in saved.items():
+            setattr(LycorisNetwork, name, value)
+    if not network.loras:
+        raise ValueError(f"lycoris_config.apply_preset: matched no module of the {adapter.family} transformer "
+                         f"({preset})")
+    network.apply_to()
+    network.requires_grad_(True)
+    transformer._lycoris_network = network  # found again by lycoris_network(); the transformer owns it
+    return network
+
+
+def lycoris_network(model):
+    """The LyCORIS network attached to ``model`` by ``add_lycoris`` (None when there is none)."""
+    return getattr(model, "_lycoris_network", None)
+
+
+def lycoris_state_dict(network) -> dict[str, torch.Tensor]:
+    """The network's weights with lycoris' key names (``lycoris_<module path>.lokr_w1``), detached CPU copies."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in network.state_dict().items()}
+
+
+def lycoris_trainable_state(network) -> dict[str, torch.Tensor]:
+    """The network's parameters as they are (checkpoints): lycoris' own state dict stores some algorithms as a
+    difference from the base weight (``full``), which does not round-trip bit for bit."""
+    return {n: p.detach().to("cpu").contiguous().clone() for n, p in network.named_parameters()}
+
+
+def load_lycoris_trainable(network, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``lycoris_trainable_state`` weights; any mismatch is an error naming the file."""
+    params = dict(network.named_parameters())
+    missing, unexpected = sorted(params.keys() - state.keys()), sorted(state.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"{source}: the LyCORIS weights do not match this network (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); was lycoris_config changed?")
+    with torch.no_grad():
+        for name, param in params.items():
+            if state[name].shape != param.shape:
+                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the network "
+                                 f"{tuple(param.shape)}; was lycoris_config changed?")
+            param.copy_(state[name])
+
+
+def save_lycoris(network, output_dir, state: dict[str, torch.Tensor] | None = None, name: str = LYCORIS_WEIGHTS):
+    """Write the network as lycoris does (``lycoris_<module path>.<weight>`` keys in safetensors, the format
+    ComfyUI's LoRA loader maps onto Flux and lycoris' ``create_lycoris_from_weights`` reads), atomically."""
+    import os
+
+    from safetensors.torch import save_file
+
+    path = Path(output_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state if state is not None else lycoris_state_dict(network), tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path

@@ -32,7 +32,10 @@ from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.evaluator import Evaluator
 from simpletuner.training.guards import NanLossGuard, require_finite
-from simpletuner.training.lora import add_lora, load_lora_state, lora_state_dict
+from simpletuner.training.lora import (add_lora, add_lycoris, load_lora_state, load_lycoris_trainable, lora_state_dict,
+                                       lycoris_network, lycoris_trainable_state, save_lycoris)
+from simpletuner.training.optimizers import (OPTIMIZERS, build_optimizer, evaluation_weights, optimizer_class,
+                                             optimizer_kwargs, param_groups)
 from simpletuner.training.state import RunState
 from simpletuner.training.paths import check_run_paths
 from simpletuner.training.webhooks import WebhookReporter
@@ -51,6 +54,7 @@ class TrainResult:
     final_loss: float | None
     lora_path: str | None = None
     model_path: str | None = None
+    ema_path: str | None = None
     losses: list[float] = field(default_factory=list)
     vae_forwards: int = 0
     text_encoder_forwards: int = 0
@@ -110,8 +114,20 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if config.base_model_default_dtype == "bf16" else torch.float32
 
 
-def preflight(config, adapter) -> None:
-    """Checks that need the model's shape or schedule, done before anything is cached or written."""
+def preflight(config, adapter, device: torch.device | None = None) -> None:
+    """Checks that need the device, the optional packages, or the model's shape or schedule, done before anything
+    is cached or written."""
+    from simpletuner.config import ConfigError
+    from simpletuner.config.requirements import device_errors, missing_packages
+
+    errors = missing_packages(config.__dict__) + device_errors(config.__dict__, (device or adapter.device).type)
+    if errors:
+        raise ConfigError(errors)
+    optimizer_kwargs(config, optimizer_class(config.optimizer))  # unknown optimizer_config keys fail here
+    if config.model_type == "lora" and config.lora_type == "lycoris":
+        from simpletuner.training.lora import lycoris_preset
+
+        lycoris_preset(adapter, config.lycoris_config.apply_preset)
     adapter.objective  # reads the model's scheduler config: a missing or bad one fails here, not mid-run
     if config.tread_config is not None:
         from simpletuner.config import resolve_tread_routes
@@ -149,6 +165,8 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         captions = [s.caption for ds in datasets for s in ds.samples]
         if config.caption_dropout_probability:
             captions.append("")
+        if config.offload_during_startup:
+            adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
                                            show_progress=show)
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
@@ -209,7 +227,10 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
         quantize_model(transformer, config.base_model_precision,
                        device=device if config.quantize_via == "accelerator" else None)
     if config.model_type == "lora":
-        add_lora(transformer, adapter, config)
+        if config.lora_type == "lycoris":
+            add_lycoris(transformer, adapter, config)
+        else:
+            add_lora(transformer, adapter, config)
         for p in transformer.parameters():
             if p.requires_grad:
                 p.data = p.data.float()  # LoRA weights train in fp32 over a frozen base of any dtype
@@ -240,17 +261,6 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
         compile_transformer_blocks(transformer, device=device)
     transformer.train()
     return transformer
-
-
-def build_optimizer(config, params):
-    if config.optimizer == "adamw_bf16":
-        from simpletuner.training.optimizers import AdamWBF16
-
-        cls = AdamWBF16
-    else:
-        cls = torch.optim.AdamW
-    return cls(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-               weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
 
 
 def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[int, int]:
@@ -288,18 +298,31 @@ def compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
     noisy = objective.add_noise(latents, noise, t)
     target = objective.target(latents, noise, t)
     if is_reg.any() and config.model_type == "lora":
-        # regularisation data: the target is the base model's own prediction (LoRA off) on these samples
+        # regularisation data: the target is the base model's own prediction (adapter off) on these samples
         base = _unwrap(transformer)
-        with torch.no_grad():
-            base.disable_adapters()
-            try:
-                base_pred = adapter.predict(base, noisy, t, text).float()
-            finally:
-                base.enable_adapters()
+        with torch.no_grad(), _adapter_off(base):
+            base_pred = adapter.predict(base, noisy, t, text).float()
         mask = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
         target = torch.where(mask, base_pred, target)
     pred = adapter.predict(transformer, noisy, t, text)
     return objective.loss(pred, target, t)
+
+
+@contextmanager
+def _adapter_off(model):
+    network = lycoris_network(model)
+    if network is not None:
+        strength = network.multiplier
+        network.set_multiplier(0.0)
+    else:
+        model.disable_adapters()
+    try:
+        yield
+    finally:
+        if network is not None:
+            network.set_multiplier(strength)
+        else:
+            model.enable_adapters()
 
 
 @contextmanager
@@ -341,7 +364,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- data and caches ----
     adapter = create_adapter(config, device=accelerator.device,
                              weight_dtype=weight_dtype_for(config, accelerator.device))
-    preflight(config, adapter)
+    preflight(config, adapter, accelerator.device)
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
     data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
@@ -349,9 +372,16 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- model, optimizer, schedule ----
     transformer = build_transformer(config, adapter, accelerator, generator)
     params = [p for p in transformer.parameters() if p.requires_grad]
-    optimizer = build_optimizer(config, params)
+    optimizer = build_optimizer(config, param_groups(transformer, config, adapter_family(config).lr_scale))
+    schedule = config.lr_scheduler
+    if OPTIMIZERS[config.optimizer].schedule_free:
+        optimizer.train()  # schedule-free optimizers step in train mode; eval mode holds the averaged weights
+        if schedule != "constant":
+            log.warning("optimizer %r keeps its own schedule (and warms up over lr_warmup_steps itself): "
+                        "lr_scheduler %r is replaced by 'constant'", config.optimizer, schedule)
+        schedule = "constant"
     lr_scheduler = get_scheduler(
-        config.lr_scheduler, optimizer=optimizer,
+        schedule, optimizer=optimizer,
         num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes,
     )
@@ -359,14 +389,25 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     placement = [not config.enable_group_offload, True, True]
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler,
                                                                device_placement=placement)
+    ema = None
+    if config.use_ema:
+        from simpletuner.training.ema import TrainedWeightsEMA
+
+        ema = TrainedWeightsEMA(params, decay=config.ema_decay, update_interval=config.ema_update_interval,
+                                device="cpu" if config.ema_device == "cpu" else accelerator.device)
+    evaluator.attach(ema=ema, optimizer=optimizer)
 
     # ---- resume ----
     resumed = ckpt.resume(output_dir, config.resume_from_checkpoint, state, optimizer=optimizer,
                           lr_scheduler=lr_scheduler, rank=accelerator.process_index,
-                          world_size=accelerator.num_processes)
+                          world_size=accelerator.num_processes, ema=ema)
     if resumed is not None:
         resume_path, trainable = resumed
         _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
+        if ema is not None and not (resume_path / "ema.pt").is_file():
+            log.warning("%s has no EMA (it was saved without use_ema): the EMA starts from the resumed weights",
+                        resume_path)
+            ema.reset_to_weights()
         log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_path, state.global_step, state.epoch,
                  state.batch_in_epoch)
         if state.global_step >= max_steps:
@@ -383,7 +424,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), state.global_step
     accumulated = 0.0
-    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter)
+    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema)
     nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while state.global_step < max_steps:
@@ -410,10 +451,12 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                 if not accelerator.sync_gradients:
                     continue
 
-                # ---- one optimizer step done: report, checkpoint ----
+                # ---- one optimizer step done: EMA, report, checkpoint ----
                 step_loss, accumulated = accumulated, 0.0
                 state.record_step(step_loss)
                 step = state.global_step
+                if ema is not None:
+                    ema.update(step)
                 lr = lr_scheduler.get_last_lr()[0]
                 elapsed = time.time() - started
                 it_s = (step - start_step) / elapsed if elapsed > 0 else 0.0
@@ -448,15 +491,37 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
         require_finite(_trainable_state(model, config), step, "the final model")
+        with evaluation_weights(optimizer):  # a schedule-free optimizer's averaged weights are the result
+            path = export_weights(config, adapter, model, output_dir)
+            if ema is not None:
+                with ema.swapped_in():
+                    result.ema_path = str(export_weights(config, adapter, model, output_dir / "ema"))
         if config.model_type == "lora":
-            result.lora_path = str(adapter.save_lora(lora_state_dict(model), output_dir))
+            result.lora_path = str(path)
         else:
-            model.save_pretrained(output_dir / "transformer", safe_serialization=True)
-            result.model_path = str(output_dir / "transformer")
+            result.model_path = str(path)
         summary = {k: v for k, v in result.__dict__.items() if k != "losses"}
         ckpt.write_json(output_dir / "run_summary.json", summary)
     accelerator.end_training()
     return result
+
+
+def adapter_family(config):
+    from simpletuner.config import get_family
+
+    return get_family(config.model_family)
+
+
+def export_weights(config, adapter, model, folder: Path) -> Path:
+    """The trained weights as users load them: a diffusers-format LoRA (``pytorch_lora_weights.safetensors``), a
+    LyCORIS file in lycoris' own format under the same name, or the full transformer (``transformer/``)."""
+    if config.model_type == "lora":
+        network = lycoris_network(model)
+        if network is not None:
+            return save_lycoris(network, folder)
+        return adapter.save_lora(lora_state_dict(model), folder)
+    model.save_pretrained(folder / "transformer", safe_serialization=True)
+    return folder / "transformer"
 
 
 def _last_logged_loss(loss_log: Path) -> float | None:
@@ -473,13 +538,18 @@ def _last_logged_loss(loss_log: Path) -> float | None:
 
 def _trainable_state(model, config) -> dict[str, torch.Tensor]:
     if config.model_type == "lora":
-        return lora_state_dict(model)
+        network = lycoris_network(model)
+        return lycoris_trainable_state(network) if network is not None else lora_state_dict(model)
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _load_trainable(model, state, config, source: str) -> None:
     if config.model_type == "lora":
-        load_lora_state(model, state, source)
+        network = lycoris_network(model)
+        if network is not None:
+            load_lycoris_trainable(network, state, source)
+        else:
+            load_lora_state(model, state, source)
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -488,7 +558,7 @@ def _load_trainable(model, state, config, source: str) -> None:
                          f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
 
 
-def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter):
+def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None):
     """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG, its optimizer shard when the
     optimizer state is sharded); the main process adds the weights and publishes the folder."""
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -502,6 +572,7 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
             optimizer=optimizer, lr_scheduler=lr_scheduler, total_limit=config.checkpoints_total_limit,
             rank=accelerator.process_index, world_size=accelerator.num_processes,
             barrier=accelerator.wait_for_everyone, sharded_optimizer=sharded,
+            ema_state=ema.state_dict() if ema is not None and main else None,
         )
         if main:
             log.info("saved %s", path)

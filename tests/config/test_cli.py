@@ -159,7 +159,7 @@ def test_configure_with_piped_answers(tmp_path):
     assert again.returncode == 1 and "already exist; use --force" in again.stderr
     forced = simpletuner("configure", "--force", cwd=tmp_path, stdin="\n" * 20)
     assert forced.returncode == 0, forced.stderr
-    assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "dev"
+    assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "krea"
 
 
 def test_configure_custom_paths_and_early_eof(tmp_path):
@@ -170,3 +170,50 @@ def test_configure_custom_paths_and_early_eof(tmp_path):
     assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / "cfg" / "config.json").read_text())
     assert config["data_backend_config"] == "cfg/multidatabackend.json"
+
+
+def test_config_keys_as_simpletuner_flags_override_the_file(project):
+    """`--key=value`, `--key value` and a bare `--flag` work as on SimpleTuner's command line (validate and train
+    parse them the same way), winning over the file; a flag that is no config key is reported, not swallowed."""
+    result = simpletuner("validate", "--json", "--lora_rank=4", "--seed", "42", "--gradient_checkpointing",
+                         "--optimizer_config=d_coef=0.5", "--lora_rnk=8", cwd=project)
+    report = json.loads(result.stdout)
+    assert report["ok"], report
+    config = report["config"]
+    assert config["lora_rank"] == 4 and config["seed"] == 42 and config["gradient_checkpointing"] is True
+    assert config["optimizer_config"] == {"d_coef": 0.5}
+    assert any("lora_rnk: unknown key, ignored; did you mean 'lora_rank'?" in w for w in report["warnings"])
+
+
+def test_train_overrides_from_flags_and_set():
+    from simpletuner.training.cli import launch_command, parse_overrides
+    from tests.helpers import namespace
+
+    flags = ["--lora_rank=4", "--max_train_steps", "10", "--gradient_checkpointing", "--learning_rate", "1e-3"]
+    assert parse_overrides(["max_train_steps=20"], flags) == {"lora_rank": "4", "max_train_steps": "20",
+                                                               "gradient_checkpointing": True, "learning_rate": "1e-3"}
+    with pytest.raises(SystemExit, match="unexpected argument 'stray'"):
+        parse_overrides([], ["stray", "--seed", "1"])
+    # `accelerate launch` runs of several processes receive the same flags
+    args = namespace(num_processes=2, config="c.json", data_backend_config=None, set=["seed=1"], config_flags=flags)
+    assert launch_command(args)[-len(flags):] == flags
+
+
+def test_validate_names_the_extra_a_missing_package_comes_with(project, make_config):
+    from simpletuner.config.requirements import missing_packages
+
+    errors = missing_packages({"optimizer": "bnb-adamw8bit", "lora_type": "lycoris", "model_type": "lora",
+                               "report_to": "wandb", "base_model_precision": "int8-torchao"})
+    installed = {e.path for e in errors}
+    import importlib.util
+
+    assert ("optimizer" in installed) == (importlib.util.find_spec("bitsandbytes") is None)
+    bnb = [e for e in errors if e.path == "optimizer"]
+    if bnb:
+        assert "pip install 'simpletuner[bnb]'" in bnb[0].message
+    assert "report_to" not in installed  # wandb is a core dependency
+    config = make_config(**{"--optimizer": "bnb-adamw8bit"})
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    result = simpletuner("validate", cwd=project)
+    if bnb:  # refused before training starts, with the extra that installs it
+        assert result.returncode == 1 and "simpletuner[bnb]" in result.stdout

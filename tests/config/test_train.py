@@ -35,8 +35,8 @@ def errors_of(**values) -> list[FieldError]:
 
 def test_defaults_fill_flavour_weights_and_alpha():
     config = load()
-    assert config.model_flavour == "dev"
-    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert config.model_flavour == "krea"  # SimpleTuner's Flux default
+    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-Krea-dev"
     assert config.model_type == "lora"
     assert config.lora_rank == 16 and config.lora_alpha == 16.0
     assert config.mixed_precision == "bf16"
@@ -97,7 +97,7 @@ def test_null_spellings():
     assert config.tracker_run_name is None
     config = load(report_to="", pretrained_model_name_or_path="", validation_negative_prompt="")
     assert config.report_to == "none"
-    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert config.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-Krea-dev"
     assert config.validation_negative_prompt == ""
 
 
@@ -179,7 +179,15 @@ BAD_INPUTS = [
     pytest.param({"validation_steps": -5}, "validation_steps", "must be >= 1", id="validation-steps"),
     pytest.param({"model_type": "full", "init_lora": "a.safetensors"}, "init_lora", "needs model_type 'lora'",
                  id="init-lora-full"),
-    pytest.param({"lora_type": "lycoris"}, "lora_type", "'lycoris' is not one of standard", id="lora-type"),
+    pytest.param({"lora_type": "lycoris"}, "lycoris_config", "is required with lora_type 'lycoris'", id="lycoris-without-config"),
+    pytest.param({"lora_type": "dora"}, "lora_type", "'dora' is not one of standard, lycoris", id="lora-type"),
+    pytest.param({"optimizer": "bnb-adamw9bit"}, "optimizer", "'bnb-adamw9bit' is not one of adamw, adamw_bf16", id="optimizer"),
+    pytest.param({"optimizer_config": "d_coef"}, "optimizer_config", "is not key=value", id="optimizer-config"),
+    pytest.param({"optimizer_config": "lr=3"}, "optimizer_config.lr", "set learning_rate instead", id="optimizer-config-lr"),
+    pytest.param({"tokenizer_max_length": 513}, "tokenizer_max_length", "longer than flux", id="tokenizer-length"),
+    pytest.param({"flow_fast_schedule": True, "flow_use_uniform_schedule": True}, "flow_fast_schedule", "cannot be combined", id="fast-schedule"),
+    pytest.param({"lycoris_config": {"algo": "lokr"}}, "lycoris_config", "only read with lora_type", id="lycoris-config-alone"),
+    pytest.param({"lora_type": "lycoris", "lycoris_config": {"algo": "oft"}}, "lycoris_config.algo", "one of lokr, loha, locon, lora, full", id="lycoris-algo"),
     pytest.param({"tread_config": {"routes": []}}, "tread_config.routes",
                  "TREAD training requires you to configure the routes", id="tread-empty"),
     pytest.param({"tread_config": {}}, "tread_config.routes",
@@ -350,7 +358,7 @@ def test_every_field_has_a_description_and_a_group_the_form_shows():
 
 def test_family_table():
     flux = get_family("flux")
-    assert flux.default_flavour == "dev"
+    assert flux.default_flavour == "krea"
     assert flux.flavours["tiny"] is None
     assert flux.lora_targets == ("all", "mmdit", "context", "context+ffs", "all+ffs", "tiny", "nano")
     planned = next(n for n in PLANNED_FAMILIES if n not in family_names())

@@ -58,8 +58,8 @@ def test_current_config_is_not_migrated_again():
                                              ("flux_guidance_value", "guidance_value", 3.5)])
 def test_v1_to_v2_family_options_become_checked_values(old, new, value):
     warnings: list[str] = []
-    out = migrate({"config_version": 1, "model_family": "flux", old: value}, warnings)
-    assert out == {"config_version": 2, "model_family": "flux", new: value}
+    out = versions.MIGRATIONS[1]({"config_version": 1, "model_family": "flux", old: value}, warnings)
+    assert out == {"config_version": 1, "model_family": "flux", new: value}
     assert warnings == []  # SimpleTuner's spelling is a valid alias, not a deprecated name
     # and the loaded config carries it as the family-checked value
     config = load_train_config({"model_family": "flux", "model_flavour": "tiny", old: value}).config
@@ -77,6 +77,28 @@ def test_v1_to_v2_keeps_the_new_name_when_both_are_set():
     warnings: list[str] = []
     out = migrate({"config_version": 1, "flux_lora_target": "all", "lora_target": "mmdit"}, warnings)
     assert out["lora_target"] == "mmdit" and "also set" in warnings[0]
+
+
+@pytest.mark.parametrize("old, new, flavour", [("flux_fast_schedule", "flow_fast_schedule", "dev"),
+                                               ("flux_attention_masked_training", "attention_masked_training", "dev")])
+def test_v2_to_v3_more_flux_options_become_checked_values(old, new, flavour):
+    warnings: list[str] = []
+    out = versions.MIGRATIONS[2]({"config_version": 2, "model_family": "flux", old: "true"}, warnings)
+    assert out == {"config_version": 2, "model_family": "flux", new: "true"} and warnings == []
+    config = load_train_config({"model_family": "flux", "model_flavour": flavour, old: "true"}).config
+    assert getattr(config, new) is True
+    dropped = migrate({"config_version": 2, "model_family": "sd3", old: True}, warnings)
+    assert old not in dropped and new not in dropped and "only applies to model_family flux" in warnings[0]
+
+
+def test_flavour_defaults_fill_what_the_config_leaves_empty():
+    """schnell trains on its fast schedule, LibreFlux with masked attention, unless the config says otherwise."""
+    schnell = load_train_config({"model_family": "flux", "model_flavour": "schnell"}).config
+    assert schnell.flow_fast_schedule is True and schnell.attention_masked_training is False
+    libre = load_train_config({"model_family": "flux", "model_flavour": "libreflux"}).config
+    assert libre.attention_masked_training is True and libre.flow_fast_schedule is False
+    off = load_train_config({"model_family": "flux", "model_flavour": "schnell", "flux_fast_schedule": False}).config
+    assert off.flow_fast_schedule is False
 
 
 def test_migrations_apply_step_by_step(monkeypatch):

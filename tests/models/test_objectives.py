@@ -113,3 +113,17 @@ def test_pipeline_timestep_units():
     ddpm = DDPMScheduler(**SD_SCHEDULE)
     ddpm.set_timesteps(4)
     assert DDPMObjective("epsilon", SD_SCHEDULE).pipeline_timestep(ddpm, 1).item() == int(ddpm.timesteps[1])
+
+
+def test_fast_schedule_draws_the_distilled_models_steps():
+    """flow_fast_schedule (schnell's default): sigma 1.0 seven times in ten, else 0.75 / 0.5 / 0.25, unshifted."""
+    from simpletuner.models.objectives import FlowMatching
+    from tests.helpers import flux_config
+
+    config = flux_config(model_flavour="tiny", flow_fast_schedule=True, flow_schedule_shift=3.0)
+    fast = FlowMatching.from_config(config, {})
+    t = fast.sample_timesteps(4000, generator=torch.Generator().manual_seed(0), image_seq_len=256)
+    assert set(t.tolist()) == {1.0, 0.75, 0.5, 0.25}
+    assert 0.66 < (t == 1.0).float().mean().item() < 0.74
+    slow = FlowMatching.from_config(flux_config(model_flavour="tiny"), {})
+    assert len(set(slow.sample_timesteps(100, generator=torch.Generator().manual_seed(0), image_seq_len=256).tolist())) > 50

@@ -147,3 +147,45 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match="init_lora_weights: loftq"):
         check_quantized_training("int4-quanto", init_lora_weights="loftq")
     check_quantized_training("no_change", model_type="full")
+
+
+@pytest.mark.parametrize("precision", ["int8-torchao", "fp8-torchao"])
+def test_torchao_weight_only_shrinks_the_base_and_trains_a_lora(precision):
+    """torchao as an alternative backend to quanto: the selected linears are stored in 8 bits, the embedders and
+    output layers stay (DEFAULT_EXCLUDE), and a peft LoRA on top gets gradients."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from simpletuner.models.quantize import count_quantized, quantize_model, weight_bytes
+    from tests.helpers import flux_transformer_inputs, tiny_flux_transformer
+
+    model = tiny_flux_transformer().to(torch.bfloat16)
+    before = weight_bytes(model)
+    quantize_model(model, precision)
+    assert count_quantized(model) > 10
+    assert type(model.x_embedder.weight).__module__.startswith("torch")  # excluded layers keep their weights
+    quanto = quantize_model(tiny_flux_transformer().to(torch.bfloat16), "int8-quanto")
+    # 8-bit weights: within 5 points of quanto's int8 on the same model (per-row scales; bf16 embedders weigh more here)
+    assert weight_bytes(model) / before <= weight_bytes(quanto) / before + 0.05 < 0.8
+    model = inject_adapter_in_model(LoraConfig(r=4, target_modules=["to_q", "to_k"]), model)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in flux_transformer_inputs().items()}
+    model(**inputs).sample.float().pow(2).mean().backward()
+    grads = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert grads and all("lora_" in n for n in grads)
+
+
+def test_nf4_is_refused_off_cuda_with_the_alternatives():
+    from simpletuner.models.quantize import check_quantization_supported, quantize_model, selected_linears
+    from tests.helpers import tiny_flux_transformer
+
+    for device in ("cpu", "mps"):
+        with pytest.raises(ValueError, match=f"base_model_precision: 'nf4-bnb' quantizes with bitsandbytes on a "
+                                             f"CUDA GPU and this run is on {device}; use 'int4-quanto'"):
+            check_quantization_supported("nf4-bnb", device)
+    check_quantization_supported("nf4-bnb", "cuda")
+    model = tiny_flux_transformer()
+    with pytest.raises(ValueError, match="nf4-bnb"):
+        quantize_model(model, "nf4-bnb")  # a CPU model: refused before bitsandbytes is even imported
+    chosen = selected_linears(model, ["proj_out", "x_embedder", "context_embedder", "time_text_embed.*",
+                                      "norm_out.*"])
+    assert "transformer_blocks.0.attn.to_q" in chosen and "single_transformer_blocks.0.proj_out" in chosen
+    assert "proj_out" not in chosen and "x_embedder" not in chosen
