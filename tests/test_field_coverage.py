@@ -44,6 +44,8 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "base_model_precision": T, "text_encoder_1_precision": (M, "text_encoder_{n}_precision"),
     "text_encoder_2_precision": (M, "text_encoder_{n}_precision"),
     "text_encoder_3_precision": (M, "text_encoder_{n}_precision"),
+    "text_encoder_4_precision": (M, "text_encoder_{n}_precision"),
+    "framerate": M, "validation_num_video_frames": M, "max_nan_loss_steps": T,
     "base_model_default_dtype": T, "quantize_via": T, "enable_group_offload": T, "group_offload_type": T,
     "group_offload_blocks_per_group": T, "group_offload_use_stream": T, "group_offload_to_disk_path": T,
     "enable_model_cpu_offload": M, "offload_during_startup": T, "vae_enable_tiling": M,
@@ -82,7 +84,7 @@ DATASET_READERS: dict[str, tuple[str, str] | str] = {
     "id": D, "dataset_type": T, "instance_data_dir": D, "resolution": D, "resolution_type": D,
     "minimum_image_size": D, "maximum_image_size": D, "target_downsample_size": D, "crop": D, "crop_style": D,
     "crop_aspect": D, "caption_strategy": D, "instance_prompt": D, "repeats": D,
-    "is_regularisation_data": D, "cache_dir_vae": T, "probability": D,
+    "is_regularisation_data": D, "cache_dir_vae": T, "probability": D, "video": D,
 }
 DATASET_CONFIG_ONLY = {
     "type": "only 'local' is accepted; other storage types are refused by the schema ('not supported yet')",
@@ -195,9 +197,10 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "group_offload_to_disk_path", "tread_config", "lycoris_config", "init_lora", "user_prompt_library",
                 "validation_preview_steps", "pretrained_evaluation_model_name_or_path", "tracker_project_name",
                 "tracker_run_name", "logging_dir", "optimizer_config", "data_backend_config", "lora_type",
-                "text_encoder_3_precision", "tokenizer_max_length", "pretrained_transformer_subfolder",
+                "text_encoder_3_precision", "text_encoder_4_precision", "tokenizer_max_length", "pretrained_transformer_subfolder",
                 "gradient_checkpointing_interval", "validation_negative_prompt", "quantize_via", "lr_warmup_steps",
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
+                "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

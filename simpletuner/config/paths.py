@@ -6,7 +6,8 @@ a config is submitted; a job carries its allowed roots (``SIMPLETUNER_ALLOWED_RO
 again when it opens them, so a symlink swapped in after the submit cannot lead outside either.
 
 Path fields are marked in the schemas (``json_schema_extra={"path": kind}``): ``dir`` and ``file`` are local
-paths; ``model`` is a local folder or a Hugging Face repo id; ``webhook`` is JSON text or a JSON file;
+paths; ``model`` is a local folder or a Hugging Face repo id; ``webhook`` and ``json`` are JSON text or a JSON file
+(``json`` also the parsed object);
 ``subfolder`` is a name joined onto another folder (no ``..``, never absolute).
 Standard library only: the server, the trainer and the data layer all use it.
 """
@@ -39,7 +40,7 @@ class PathOutsideRoots(ValueError):
 @dataclass(frozen=True)
 class PathField:
     name: str
-    kind: str  # "dir" | "file" | "model" | "webhook" | "subfolder"
+    kind: str  # "dir" | "file" | "model" | "webhook" | "json" | "subfolder"
     # what a relative path is read from: "workdir" (the working dir), "output_dir" (logging_dir), or "either"
     # (resume_from_checkpoint: the working dir if it exists there, else output_dir; both readings are checked)
     base: str = "workdir"
@@ -80,9 +81,11 @@ def problem(value: Any, roots: list[Path], base: str | os.PathLike[str], kind: s
     """Why ``value`` may not be used as a path of this ``kind`` under ``roots``, or None when it may."""
     if value is None or value == "":
         return None
+    if kind == "json" and isinstance(value, (dict, list)):
+        return None  # the object itself, not a file
     if not isinstance(value, str):
         return f"expected a path string, got {type(value).__name__}"
-    if kind == "webhook" and value.lstrip().startswith(("{", "[")):
+    if kind in ("webhook", "json") and value.lstrip().startswith(("{", "[")):
         return None  # inline JSON, not a file
     if kind == "subfolder":  # a name inside another folder: never absolute, never climbing out
         parts = value.replace("\\", "/").split("/")
@@ -135,7 +138,7 @@ def config_paths(config: Any = None, backends: Any = None) -> Iterator[tuple[str
     """(field path, value, PathField) for every path field of a validated TrainConfig and its DataBackends."""
     for name, spec in (path_fields(type(config)) if config is not None else {}).items():
         value = getattr(config, name)
-        if spec.kind == "webhook" and not isinstance(value, str):
+        if spec.kind in ("webhook", "json") and not isinstance(value, str):
             continue  # already parsed into objects; nothing to open
         if spec.name == "resume_from_checkpoint" and value == "latest":
             continue

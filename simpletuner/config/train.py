@@ -20,6 +20,7 @@ from typing import Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
+from . import paths
 from .errors import ConfigError, FieldError
 from .families import (
     OBJECTIVES,
@@ -250,6 +251,11 @@ def _json_or_file(value: Any, what: str) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
+    roots = paths.roots_from_env()
+    if roots is not None:  # a server's job: the file must resolve inside its allowed roots now, as it is read
+        problem = paths.problem(text, roots, os.getcwd(), "file")
+        if problem:
+            raise ValueError(problem)
     try:
         return json.loads(Path(text).expanduser().read_text())
     except OSError:
@@ -476,6 +482,7 @@ class TrainConfig(StrictModel):
         "lora",
         "the LyCORIS network for lora_type 'lycoris': a JSON file such as config/lycoris_config.json, or its "
         "contents ({algo, multiplier, linear_dim, linear_alpha, factor, apply_preset, ...})",
+        extra={"path": "json"},
     )
     lora_target: Optional[str] = _field(
         None,

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from simpletuner.config import DatasetBackend, TextEmbedsBackend, TrainConfig, load_data_backends, load_train_config
+from simpletuner.config import (ConfigError, DatasetBackend, TextEmbedsBackend, TrainConfig, load_data_backends,
+                                load_train_config)
 from tests.server.helpers import data_backends, train_config
 
 ROOTS_ENV = "SIMPLETUNER_ALLOWED_ROOTS"
@@ -33,6 +34,7 @@ TRAIN_FIELDS = {
     "tracker_run_name": ("subfolder", "workdir"),
     "logging_dir": ("dir", "output_dir"),
     "webhook_config": ("webhook", "workdir"),
+    "lycoris_config": ("json", "workdir"),
 }
 DATA_FIELDS = [("d", "instance_data_dir"), ("d", "cache_dir_vae"), ("te", "cache_dir")]
 
@@ -212,7 +214,8 @@ def _loaded(sandbox, train_values: dict, backends: list):
     return config, load_data_backends(backends, config=config)
 
 
-TRAIN_SWAPS = [n for n, (kind, _) in TRAIN_FIELDS.items() if kind not in ("subfolder", "webhook")]
+# webhook and json files are read as the config loads: test_a_json_file_swapped_after_submit_is_refused_as_it_loads
+TRAIN_SWAPS = [n for n, (kind, _) in TRAIN_FIELDS.items() if kind not in ("subfolder", "webhook", "json")]
 
 
 @pytest.mark.parametrize("name", TRAIN_SWAPS)
@@ -237,6 +240,28 @@ def test_a_symlink_swapped_in_after_submit_is_refused_at_open_time(api, sandbox,
     with pytest.raises(PathOutsideRoots) as info:
         check_run_paths(config, backends)
     assert info.value.field == name
+
+
+def test_a_json_file_swapped_after_submit_is_refused_as_it_loads(api, sandbox, monkeypatch):
+    later = sandbox.work / "later"
+    later.mkdir()
+    (later / "lyco.json").write_text('{"algo": "lokr", "factor": 4}')
+    monkeypatch.chdir(sandbox.work)  # the server reads it (from its working dir) to validate the config
+    r = api.post("/api/jobs", json={"train_config": train_config(lora_type="lycoris", lycoris_config="later/lyco.json"),
+                                    "data_backends": data_backends()})
+    assert r.status_code == 201, r.text
+    (later / "lyco.json").unlink()
+    later.rmdir()
+    later.symlink_to(sandbox.outside)
+    (sandbox.outside / "lyco.json").write_text('{"algo": "full"}')
+    monkeypatch.setenv(ROOTS_ENV, json.dumps([str(sandbox.work), str(sandbox.data)]))
+    with pytest.raises(ConfigError) as info:
+        load_train_config({"model_family": "flux", "model_flavour": "tiny", "lora_type": "lycoris",
+                           "lycoris_config": "later/lyco.json"})
+    assert "lycoris_config" in str(info.value) and "outside" in str(info.value)
+    monkeypatch.delenv(ROOTS_ENV)  # the CLI on its own reads the user's own files
+    assert load_train_config({"model_family": "flux", "model_flavour": "tiny", "lora_type": "lycoris",
+                              "lycoris_config": "later/lyco.json"}).config.lycoris_config.algo == "full"
 
 
 @pytest.mark.parametrize("entry, name", DATA_FIELDS)
@@ -276,7 +301,7 @@ def test_every_path_like_field_is_marked():
     from simpletuner.config.paths import path_fields
 
     suffixes = ("_dir", "_path", "_file", "_folder", "_or_path", "_config", "_library", "_checkpoint", "_lora")
-    not_paths = {"tread_config", "data_backend_config_version"}
+    not_paths = {"tread_config", "data_backend_config_version", "optimizer_config"}  # settings, not files
     for model in (TrainConfig, DatasetBackend, TextEmbedsBackend):
         marked = path_fields(model)
         for name in model.model_fields:
