@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/install.sh --test
-exec "${SIMPLETUNER_VENV:-.venv}/bin/python" -m pytest "$@"
+# two workers (pytest-xdist), one test file each at a time: the suite's subprocesses and browsers use both cores
+exec "${SIMPLETUNER_VENV:-.venv}/bin/python" -m pytest -n "${SIMPLETUNER_TEST_WORKERS:-2}" --dist loadfile "$@"

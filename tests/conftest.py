@@ -22,6 +22,8 @@ _OWN_TINY_DIR: list[str] = []
 def pytest_configure(config):
     """Tiny checkpoints are written once per session into one folder, set in the environment before any test module
     is imported, so every subprocess (even one whose env a module built at import) shares it."""
+    if hasattr(config, "workerinput") and os.environ.get("SIMPLETUNER_TINY_DIR"):
+        return  # a pytest-xdist worker shares its controller's folder (checkpoints appear there atomically)
     if not os.environ.get("SIMPLETUNER_TEST_TINY_DIR"):
         _OWN_TINY_DIR.append(tempfile.mkdtemp(prefix="simpletuner-tiny-"))
     os.environ["SIMPLETUNER_TINY_DIR"] = os.environ.get("SIMPLETUNER_TEST_TINY_DIR") or _OWN_TINY_DIR[0]
