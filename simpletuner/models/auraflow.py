@@ -45,6 +45,7 @@ class AuraFlowAdapter(ModelAdapter):
     family = "auraflow"
     pipeline_class = AuraFlowPipeline
     denoiser_class = AuraFlowTransformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (("text_encoder", UMT5EncoderModel, "tokenizer", LlamaTokenizerFast),)
     resolution_multiple = 16  # VAE /8, then 2x2 patches
 
@@ -89,11 +90,6 @@ class AuraFlowAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def transformer_depth(self) -> int:
         """MMDiT + single blocks, read from config.json without loading weights."""

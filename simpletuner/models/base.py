@@ -20,6 +20,7 @@ import json
 from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ class _AdapterMeta(ABCMeta):
         if namespace.get("family"):
             missing = sorted(cls.__abstractmethods__)
             missing += [attr for attr in ("pipeline_class", "denoiser_class") if getattr(cls, attr) is None]
+            if cls.lora_presets is None and cls.lora_target_modules is ModelAdapter.lora_target_modules:
+                missing.append("lora_presets (or lora_target_modules)")
             if missing:
                 raise TypeError(f"{name} (model family {namespace['family']!r}) does not implement the adapter "
                                 f"contract: {', '.join(missing)} (see simpletuner/models/base.py)")
@@ -80,6 +83,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
     denoiser_subfolder: str = "transformer"
     #: the VAE's model class (subfolder and component "vae"); None means diffusers' AutoencoderKL
     vae_class: Any = None
+    #: ``lora_target`` preset -> PEFT target module names (matched as name suffixes); a family whose names depend
+    #: on the loaded model (block counts) overrides ``lora_target_modules`` instead
+    lora_presets: Mapping[str, Sequence[str]] | None = None
     #: (encoder subfolder, encoder class, tokenizer subfolder, tokenizer class) for each text encoder, in the order
     #: ``text_encoder_1_precision``, ``text_encoder_2_precision``, ... refer to them
     text_encoder_specs: tuple[tuple[str, Any, str, Any], ...] = ()
@@ -353,9 +359,13 @@ class ModelAdapter(metaclass=_AdapterMeta):
         """How many image tokens the transformer sees for latents of this shape ((B, C, h, w), or (B, C, F, h, w)
         for video); the resolution-dependent shift reads it."""
 
-    @abstractmethod
     def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        """PEFT target module names for the family's ``lora_target`` preset (declared in the family table)."""
+        """PEFT target module names for the family's ``lora_target`` preset (declared in the family table): its
+        ``lora_presets`` entry unless the family overrides this."""
+        presets = self.lora_presets or {}
+        if preset not in presets:
+            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(presets)}")
+        return list(presets[preset])
 
     #: lycoris_config.apply_preset used when the config names none (a key of lycoris_presets() or a lycoris preset)
     default_lycoris_preset: str = "full"

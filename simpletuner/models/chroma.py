@@ -50,6 +50,7 @@ class ChromaAdapter(ModelAdapter):
     family = "chroma"
     pipeline_class = ChromaPipeline
     denoiser_class = ChromaTransformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (("text_encoder", T5EncoderModel, "tokenizer", T5TokenizerFast),)
     resolution_multiple = 16  # VAE /8, then 2x2 packing
 
@@ -115,11 +116,6 @@ class ChromaAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def transformer_depth(self) -> int:
         """Double + single blocks, read from config.json without loading weights."""

@@ -118,6 +118,7 @@ class Cosmos2ImageAdapter(ModelAdapter):
     family = "cosmos2image"
     pipeline_class = Cosmos2TrainingPipeline
     denoiser_class = CosmosTransformer3DModel
+    lora_presets = LORA_PRESETS
     vae_class = AutoencoderKLWan
     text_encoder_specs = (("text_encoder", T5EncoderModel, "tokenizer", T5TokenizerFast),)
     resolution_multiple = 16  # VAE /8, then 2x2 patches
@@ -208,11 +209,6 @@ class Cosmos2ImageAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def transformer_depth(self) -> int:
         path, subfolder = self.denoiser_source()

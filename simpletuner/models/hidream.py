@@ -68,6 +68,7 @@ class HiDreamAdapter(ModelAdapter):
     family = "hidream"
     pipeline_class = HiDreamImagePipeline
     denoiser_class = HiDreamImageTransformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (
         ("text_encoder", CLIPTextModelWithProjection, "tokenizer", CLIPTokenizer),
         ("text_encoder_2", CLIPTextModelWithProjection, "tokenizer_2", CLIPTokenizer),
@@ -136,11 +137,6 @@ class HiDreamAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def tread_layout(self, transformer) -> TreadLayout | None:
         return None  # see the module docstring: single-stream blocks carry image and text as one sequence

@@ -58,6 +58,7 @@ class PixArtSigmaAdapter(ModelAdapter):
     family = "pixart_sigma"
     pipeline_class = PixArtSigmaPipeline
     denoiser_class = PixArtTransformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (("text_encoder", T5EncoderModel, "tokenizer", T5TokenizerFast),)
     resolution_multiple = 16  # VAE /8, then 2x2 patches
 
@@ -105,11 +106,6 @@ class PixArtSigmaAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def transformer_depth(self) -> int:
         path, subfolder = self.denoiser_source()

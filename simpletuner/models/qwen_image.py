@@ -72,6 +72,7 @@ class QwenImageAdapter(ModelAdapter):
     family = "qwen_image"
     pipeline_class = QwenImagePipeline
     denoiser_class = QwenImageTransformer2DModel
+    lora_presets = LORA_PRESETS
     vae_class = AutoencoderKLQwenImage
     text_encoder_specs = (("text_encoder", Qwen2_5_VLForConditionalGeneration, "tokenizer", Qwen2Tokenizer),)
     resolution_multiple = 16  # VAE /8, then 2x2 packing
@@ -171,11 +172,6 @@ class QwenImageAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def _transformer_config(self) -> dict:
         path, subfolder = self.denoiser_source()

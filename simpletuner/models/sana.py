@@ -49,6 +49,7 @@ class SanaAdapter(ModelAdapter):
     family = "sana"
     pipeline_class = SanaPipeline
     denoiser_class = SanaTransformer2DModel
+    lora_presets = LORA_PRESETS
     vae_class = AutoencoderDC
     text_encoder_specs = (("text_encoder", Gemma2Model, "tokenizer", GemmaTokenizerFast),)
     resolution_multiple = 32  # DC-AE /32, 1x1 patches
@@ -112,11 +113,6 @@ class SanaAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return latent_shape[-2] * latent_shape[-1]
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def tread_layout(self, transformer) -> None:
         return None  # the Mix-FFN convolves over the whole latent grid (see the module docstring)

@@ -46,6 +46,7 @@ class SD3Adapter(ModelAdapter):
     family = "sd3"
     pipeline_class = StableDiffusion3Pipeline
     denoiser_class = SD3Transformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (
         ("text_encoder", CLIPTextModelWithProjection, "tokenizer", CLIPTokenizer),
         ("text_encoder_2", CLIPTextModelWithProjection, "tokenizer_2", CLIPTokenizer),
@@ -93,11 +94,6 @@ class SD3Adapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def transformer_depth(self) -> int:
         path, subfolder = self.denoiser_source()

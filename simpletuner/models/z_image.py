@@ -53,6 +53,7 @@ class ZImageAdapter(ModelAdapter):
     family = "z_image"
     pipeline_class = ZImagePipeline
     denoiser_class = ZImageTransformer2DModel
+    lora_presets = LORA_PRESETS
     text_encoder_specs = (("text_encoder", Qwen3Model, "tokenizer", Qwen2Tokenizer),)
     resolution_multiple = 16  # VAE /8, then 2x2 patches
 
@@ -97,11 +98,6 @@ class ZImageAdapter(ModelAdapter):
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
-
-    def lora_target_modules(self, transformer, preset: str) -> list[str]:
-        if preset not in LORA_PRESETS:
-            raise ValueError(f"lora_target: {preset!r} is not one of {', '.join(LORA_PRESETS)}")
-        return list(LORA_PRESETS[preset])
 
     def tread_layout(self, transformer) -> TreadLayout | None:
         return None  # see the module docstring: image and caption tokens share one padded sequence per sample

@@ -24,6 +24,7 @@ class FakeUNetAdapter(ModelAdapter):
     denoiser_class, denoiser_subfolder = UNet2DConditionModel, "unet"
     text_encoder_specs = (("text_encoder", CLIPTextModel, "tokenizer", CLIPTokenizer),)
     lora_layers_argument = "unet_lora_layers"
+    lora_presets = {"attention": ["to_q", "to_k", "to_v", "to_out.0"]}
     resolution_multiple = 8
 
     @staticmethod
@@ -59,9 +60,6 @@ class FakeUNetAdapter(ModelAdapter):
     def image_seq_len(self, latent_shape):
         return latent_shape[-2] * latent_shape[-1]
 
-    def lora_target_modules(self, unet, preset):
-        return ["to_q", "to_k", "to_v", "to_out.0"]
-
     def tread_layout(self, unet):
         return None  # a UNet changes resolution between blocks: no token sequence to route
 
@@ -91,7 +89,7 @@ class TestFakeFamily(FamilyContract):
 
 def test_a_half_written_family_fails_at_import():
     with pytest.raises(TypeError, match=r"HalfWritten \(model family 'half'\) does not implement the adapter contract: "
-                                        r"encode_prompts, .*predict.*denoiser_class"):
+                                        r"encode_prompts, .*predict.*denoiser_class, lora_presets"):
         class HalfWritten(ModelAdapter):  # noqa: F841 (defining it is the test)
             family = "half"
             pipeline_class = StableDiffusionPipeline
