@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .errors import ConfigError, FieldError
@@ -45,6 +45,11 @@ class ModelFamily:
     default_guidance_value: float = 1.0
     # how many text encoders it has (text_encoder_N_precision beyond these is refused)
     num_text_encoders: int = 1
+    # flavours that edit a reference image: their image datasets need ``conditioning_data`` (reference images),
+    # packed in as the flavour's pipeline does; the family's ``tiny`` flavour takes references when they are paired
+    reference_flavours: tuple[str, ...] = ()
+    # config values a flavour implies unless the config sets them (a v-prediction fine-tune's prediction_type)
+    flavour_defaults: Mapping[str, Mapping[str, object]] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self):
         if self.default_flavour not in self.flavours:
@@ -56,6 +61,9 @@ class ModelFamily:
             raise ValueError(f"{self.name}: objectives must be some of {', '.join(OBJECTIVES)}")
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter must be 'module:Class', got {self.adapter!r}")
+        for flavour in (*self.reference_flavours, *self.flavour_defaults):
+            if flavour not in self.flavours:
+                raise ValueError(f"{self.name}: {flavour!r} (reference_flavours / flavour_defaults) is not a flavour")
 
     def default_weights(self, flavour: str | None) -> str | None:
         """Default ``pretrained_model_name_or_path`` for ``flavour`` (the family default when None)."""
@@ -64,6 +72,11 @@ class ModelFamily:
     @property
     def default_objective(self) -> str:
         return self.objectives[0]
+
+    def takes_references(self, flavour: str | None) -> bool:
+        """Whether ``flavour`` can be trained on (reference, target) pairs: an edit flavour, or ``tiny`` of a
+        family that has one (the tiny model stands in for every flavour of its family)."""
+        return bool(self.reference_flavours) and (flavour in self.reference_flavours or flavour == "tiny")
 
 
 FLUX = ModelFamily(
@@ -86,9 +99,50 @@ FLUX = ModelFamily(
     default_lora_target="all",
     guidance_embeds=True,
     num_text_encoders=2,
+    reference_flavours=("kontext",),
 )
 
-_FAMILIES: dict[str, ModelFamily] = {FLUX.name: FLUX}
+# UNet families: LoRA on the attention projections, or on every linear and conv layer of the UNet's blocks
+_UNET_LORA_TARGETS = ("attention", "all")
+
+SDXL = ModelFamily(
+    name="sdxl",
+    description="Stability AI Stable Diffusion XL (2.6B UNet, epsilon or v-prediction, CLIP-L + OpenCLIP-bigG)",
+    adapter="simpletuner.models.sdxl:SDXLAdapter",
+    flavours=MappingProxyType(
+        {
+            "base-1.0": "stabilityai/stable-diffusion-xl-base-1.0",
+            "base-0.9": "stabilityai/stable-diffusion-xl-base-0.9",
+            "noobai-vpred-1.0": "Laxhar/noobai-XL-Vpred-1.0",
+            "terminus-xl-velocity-v2": "ptx0/terminus-xl-velocity-v2",
+            "tiny": None,
+        }
+    ),
+    default_flavour="base-1.0",
+    lora_targets=_UNET_LORA_TARGETS,
+    default_lora_target="attention",
+    objectives=("epsilon", "v_prediction"),
+    num_text_encoders=2,
+    # v-prediction fine-tunes of SDXL, trained on a zero-terminal-SNR schedule
+    flavour_defaults=MappingProxyType({
+        flavour: MappingProxyType({"prediction_type": "v_prediction", "rescale_betas_zero_snr": True})
+        for flavour in ("noobai-vpred-1.0", "terminus-xl-velocity-v2")
+    }),
+)
+
+KOLORS = ModelFamily(
+    name="kolors",
+    description="Kuaishou Kolors (SDXL-style UNet, epsilon, ChatGLM3-6B text encoder)",
+    adapter="simpletuner.models.kolors:KolorsAdapter",
+    flavours=MappingProxyType({"1.0": "Kwai-Kolors/Kolors-diffusers", "tiny": None}),
+    default_flavour="1.0",
+    lora_targets=_UNET_LORA_TARGETS,
+    default_lora_target="attention",
+    objectives=("epsilon", "v_prediction"),
+    num_text_encoders=1,
+)
+
+_FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (FLUX, SDXL, KOLORS)}
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
@@ -97,10 +151,8 @@ PLANNED_FAMILIES: tuple[str, ...] = (
     "auraflow",
     "pixart_sigma",
     "wan",
-    "sdxl",
     "sd1x",
     "sd2x",
-    "kolors",
     "ltxvideo",
     "hidream",
     "chroma",

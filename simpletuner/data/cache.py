@@ -17,13 +17,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from simpletuner.data.discovery import Sample, load_pixels
+from simpletuner.data.discovery import Sample, load_mask, load_pixels
 
 
 def latent_key(sample: Sample, vae_identity: str) -> str:
     payload = [sample.path, sample.file_size, sample.mtime_ns, sample.target_size, sample.resize_to,
                sample.crop_box, vae_identity]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def mask_key(sample: Sample, vae_scale_factor: int) -> str:
+    """A loss mask at latent resolution: the file and its preparation, and the VAE's downscale."""
+    return latent_key(sample, f"mask/{vae_scale_factor}")
 
 
 def text_key(caption: str, text_identity: str) -> str:
@@ -91,6 +96,22 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
             cache.save(key, {"latents": latent})
         bar.update(len(group))
     bar.close()
+    return len(todo)
+
+
+def fill_mask_cache(samples_by_cache: dict[str, list[Sample]], vae_scale_factor: int, show_progress=True) -> int:
+    """Store every mask sample's latent-resolution weights that are not cached yet (no model needed); returns how
+    many were written."""
+    todo = {}
+    for folder, samples in samples_by_cache.items():
+        cache = TensorCache(folder)
+        for s in samples:
+            key = mask_key(s, vae_scale_factor)
+            if key not in todo and not cache.has(key):
+                todo[key] = (cache, s)
+    for key, (cache, s) in tqdm(todo.items(), desc="Caching loss masks", disable=not show_progress or not todo):
+        w, h = s.target_size
+        cache.save(key, {"mask": load_mask(s, (h // vae_scale_factor, w // vae_scale_factor))})
     return len(todo)
 
 

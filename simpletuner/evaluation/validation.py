@@ -102,16 +102,20 @@ class ValidationRunner:
     """Generates one step's validation images (and previews) for a list of prompts and resolutions.
 
     ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension);
-    ``preview_decoder`` is an AutoencoderTiny (or None for no previews); ``on_preview(preview, step)`` and
-    ``on_image(image, step)`` are called as each preview / image is written.
+    ``references(prompt, width, height)`` the latents (C, h, w) of the reference image an edit model edits for that
+    prompt at that size (None without references); ``preview_decoder`` is an AutoencoderTiny (or None for no
+    previews); ``on_preview(preview, step)`` and ``on_image(image, step)`` are called as each preview / image is
+    written.
     """
 
     def __init__(self, config, adapter, embeddings: Callable[[str], dict], *, preview_decoder=None,
                  on_preview: Callable[[PreviewImage, int], None] | None = None,
-                 on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None):
+                 on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None,
+                 references: Callable[[ValidationPrompt, int, int], torch.Tensor | None] | None = None):
         self.config = config
         self.adapter = adapter
         self.embeddings = embeddings
+        self.references = references
         self.preview_decoder = preview_decoder
         self.on_preview = on_preview
         self.on_image = on_image
@@ -120,7 +124,7 @@ class ValidationRunner:
         self.negative_prompt = config.validation_negative_prompt or ""
 
     def negative_needed(self) -> bool:
-        return self.config.validation_guidance_real > 1
+        return self.adapter.uses_negative_prompt(self.config.validation_guidance, self.config.validation_guidance_real)
 
     def run(self, transformer, prompts: list[ValidationPrompt], resolutions: list[tuple[int, int]],
             step: int) -> list[ValidationImage]:
@@ -134,6 +138,9 @@ class ValidationRunner:
             for item in prompts:
                 text = self._embeddings(item.prompt, transformer)
                 for width, height in resolutions:
+                    reference = self.references(item, width, height) if self.references is not None else None
+                    if reference is not None:
+                        text = {**text, "reference_latents": reference.unsqueeze(0).to(self.adapter.device)}
                     image = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
                     image.save(path)

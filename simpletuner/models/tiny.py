@@ -86,3 +86,22 @@ def t5_tokenizer(max_length: int = 512):
     pieces += [("▁" + c, -3.0) for c in chars]
     pieces += [(c, -4.0) for c in chars]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def sentencepiece_model(vocab_size: int = 96) -> bytes:
+    """A small sentencepiece BPE model trained offline on the tiny vocabulary (serialized ModelProto bytes), for
+    tokenizer classes that read a ``tokenizer.model`` file (ChatGLM's)."""
+    import io
+
+    import sentencepiece as spm
+
+    words = _WORDS + ("triangle", "background", "yellow", "purple", "white", "black", "orange")
+    sentences = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + list(_CHARS)
+    model = io.BytesIO()
+    # identity normalisation keeps the model file small and byte-for-byte reproducible
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        character_coverage=1.0, num_threads=1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        hard_vocab_limit=False, normalization_rule_name="identity",
+    )
+    return model.getvalue()

@@ -28,7 +28,7 @@ def add_lora(transformer, adapter, config) -> LoraConfig:
     )
     transformer.add_adapter(lora_config, adapter_name=ADAPTER_NAME)
     if config.init_lora:
-        load_initial_lora(transformer, config.init_lora)
+        load_initial_lora(transformer, config.init_lora, prefix=f"{adapter.denoiser_subfolder}.")
     return lora_config
 
 
@@ -50,12 +50,12 @@ def load_lora_state(transformer, state: dict[str, torch.Tensor], source: str) ->
         raise ValueError(f"{source}: missing LoRA weights for {len(missing)} modules, e.g. {missing[:3]}")
 
 
-def load_initial_lora(transformer, path: str | Path) -> None:
-    """``init_lora``: start from a diffusers-format LoRA file (``transformer.`` prefixed keys)."""
+def load_initial_lora(transformer, path: str | Path, prefix: str = "transformer.") -> None:
+    """``init_lora``: start from a diffusers-format LoRA file (keys prefixed with the denoiser's component name,
+    ``transformer.`` or ``unet.``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"init_lora: {path} does not exist")
     state = load_file(path)
-    prefix = "transformer."
     state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     load_lora_state(transformer, state, f"init_lora {path}")

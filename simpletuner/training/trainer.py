@@ -1,9 +1,11 @@
 """The training recipe. Read top to bottom: set up, cache, build the model, loop, save.
 
-One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache, draw noise and
-timesteps, noise the latents, predict with the family's adapter, take the loss against the objective's target
-(flow-matching velocity, epsilon or v), backward, clip, step, report, and every ``checkpointing_steps`` write a
-checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one ``RunState``.
+One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache (and, where the
+dataset pairs them, its reference latents and loss masks), draw noise and timesteps, noise the latents, predict with
+the family's adapter, take the loss against the objective's target (flow-matching velocity, epsilon or v; the base
+model's own prediction for regularisation data), weighted by the mask, backward, clip, step, report, and every
+``checkpointing_steps`` write a checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one
+``RunState``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import signal
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +26,9 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
-from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
-from simpletuner.data.discovery import DatasetError, discover
+from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
+                                    mask_key, text_key)
+from simpletuner.data.discovery import DatasetError, discover, with_pairs
 from simpletuner.data.sampler import BucketBatchSampler
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
@@ -59,12 +62,13 @@ class TrainResult:
 @dataclass
 class TrainData:
     sampler: BucketBatchSampler
-    vae_caches: dict[str, TensorCache]  # dataset id -> latent cache
+    vae_caches: dict[str, TensorCache]  # dataset id -> its cache (latents; references' latents; masks)
     text_cache: TensorCache
     vae_identity: str
     text_identity: str
     latents_encoded: int = 0
     captions_encoded: int = 0
+    vae_scale_factor: int = 8  # mask cache keys
 
 
 class _StopFlag:
@@ -106,9 +110,16 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if config.base_model_default_dtype == "bf16" else torch.float32
 
 
-def preflight(config, adapter) -> None:
+def preflight(config, adapter, backends=None) -> None:
     """Checks that need the model's shape or schedule, done before anything is cached or written."""
     adapter.objective  # reads the model's scheduler config: a missing or bad one fails here, not mid-run
+    if backends is not None:
+        from simpletuner.config import ConfigError
+        from simpletuner.config.data import reference_errors
+
+        errors = reference_errors(backends, config)
+        if errors:
+            raise ConfigError(errors, backends.source)
     if config.tread_config is not None:
         from simpletuner.config import resolve_tread_routes
 
@@ -117,7 +128,7 @@ def preflight(config, adapter) -> None:
 
 def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
     """Discover samples, build the bucket sampler, and fill the latent and text caches (main process first)."""
-    training_backends = [b for b in backends.datasets if b.dataset_type == "image"]
+    training_backends = backends.image_datasets
     datasets = [discover(b, config, adapter.resolution_multiple) for b in training_backends]
     for backend, ds in zip(training_backends, datasets):
         if not ds.samples:
@@ -125,10 +136,20 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                 f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
                 f"({len(ds.skipped)} skipped). Check instance_data_dir and minimum_image_size."
             )
+        ds.samples = with_pairs(backends, backend, ds.samples)  # reference images and loss masks, by path
         log.info("datasets[%s]: %d images, repeats=%d", backend.id, len(ds.samples), ds.repeats)
     sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
 
-    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in training_backends}
+    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
+    latent_sets: dict[str, list] = {}
+    mask_sets: dict[str, list] = {}
+    for b, ds in zip(training_backends, datasets):
+        latent_sets.setdefault(b.cache_dir_vae, []).extend(ds.samples)
+        for s in ds.samples:
+            if s.conditioning is not None:
+                latent_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
+            if s.mask is not None:
+                mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
     captions = [s.caption for ds in datasets for s in ds.samples]
     if config.caption_dropout_probability:
@@ -137,17 +158,16 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
-        latents_encoded = fill_latent_cache(
-            {b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
-            adapter, config.vae_batch_size, show_progress=show,
-        )
+        latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show)
+        fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
                                            show_progress=show)
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
     adapter.unload_encoders()  # training reads the caches only
-    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
+    return TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded,
+                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8)
 
 
 def build_transformer(config, adapter, accelerator, generator: torch.Generator):
@@ -199,6 +219,20 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
     return transformer
 
 
+def build_prior_model(config, adapter, data: TrainData, device):
+    """The frozen base model a full fine-tune's regularisation samples are trained towards (a second copy of the
+    weights: LoRA runs get the same prediction by switching the LoRA off); None when there is no regularisation
+    data or the run trains a LoRA."""
+    if config.model_type != "full" or not any(s.is_regularisation for s in data.sampler.items):
+        return None
+    from simpletuner.training.compile import set_attention_mechanism
+
+    log.info("regularisation data under model_type full: loading a frozen copy of the base model as the prior")
+    prior = adapter.load_transformer().requires_grad_(False).eval()
+    set_attention_mechanism(prior, config.attention_mechanism or "sdpa")
+    return prior.to(device)
+
+
 def build_optimizer(config, params):
     if config.optimizer == "adamw_bf16":
         from simpletuner.training.optimizers import AdamWBF16
@@ -222,40 +256,67 @@ def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[
 # ---------------------------------------------------------------------------------------------------------------
 # one batch
 # ---------------------------------------------------------------------------------------------------------------
-def load_batch(batch, data: TrainData, config, generator: torch.Generator, device):
-    latents = torch.stack([
-        data.vae_caches[s.dataset_id].load(latent_key(s, data.vae_identity))["latents"] for s in batch
-    ])
+def load_batch(batch, data: TrainData, config, generator: torch.Generator, device, adapter):
+    """(latents, conditioning, is_regularisation, mask) of a batch, from the caches: the conditioning holds the text
+    embeddings, the family's per-sample conditioning and, where paired, ``reference_latents``; the mask (B, 1, h, w)
+    is None unless a sample has one (samples without one weigh every latent fully)."""
+    def cached(s, key):
+        return data.vae_caches[s.dataset_id].load(key)
+
+    latents = torch.stack([cached(s, latent_key(s, data.vae_identity))["latents"] for s in batch])
     captions = [s.caption for s in batch]
     if config.caption_dropout_probability:
         drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-    text = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
+    cond = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
                                   for c in captions])
+    cond.update(adapter.sample_conditioning(batch))
+    if batch[0].conditioning is not None:  # every sample of a run with references has one (checked by the config)
+        cond["reference_latents"] = torch.stack([
+            cached(s.conditioning, latent_key(s.conditioning, data.vae_identity))["latents"] for s in batch])
+    mask = None
+    if any(s.mask is not None for s in batch):
+        mask = torch.stack([cached(s.mask, mask_key(s.mask, data.vae_scale_factor))["mask"] if s.mask is not None
+                            else torch.ones(1, *latents.shape[-2:]) for s in batch]).to(device)
     is_reg = torch.tensor([s.is_regularisation for s in batch])
-    return latents.to(device), {k: v.to(device) for k, v in text.items()}, is_reg
+    return latents.to(device), {k: v.to(device) for k, v in cond.items()}, is_reg, mask
 
 
-def compute_loss(config, adapter, transformer, latents, text, is_reg, generator):
+def compute_loss(config, adapter, transformer, latents, text, is_reg, generator, *, mask=None, prior=None):
+    """The batch's training loss. ``text`` is the batch's conditioning (``load_batch``); ``mask`` weights the loss
+    per latent (and TREAD keeps the tokens under it); ``prior`` is the frozen base model of a full fine-tune with
+    regularisation data (a LoRA run switches its LoRA off instead)."""
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=generator).to(latents)
     t = objective.sample_timesteps(latents.shape[0], generator=generator,
                                    image_seq_len=adapter.image_seq_len(latents.shape)).to(latents.device)
     noisy = objective.add_noise(latents, noise, t)
     target = objective.target(latents, noise, t)
-    if is_reg.any() and config.model_type == "lora":
-        # regularisation data: the target is the base model's own prediction (LoRA off) on these samples
-        base = _unwrap(transformer)
+    if is_reg.any():
+        # regularisation data: the target is the base model's own prediction on these samples (prior preservation)
         with torch.no_grad():
-            base.disable_adapters()
-            try:
-                base_pred = adapter.predict(base, noisy, t, text).float()
-            finally:
-                base.enable_adapters()
-        mask = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
-        target = torch.where(mask, base_pred, target)
-    pred = adapter.predict(transformer, noisy, t, text)
-    return objective.loss(pred, target, t)
+            base_pred = _prior_prediction(config, adapter, transformer, prior, noisy, t, text).float()
+        selected = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
+        target = torch.where(selected, base_pred, target)
+    handle = getattr(_unwrap(transformer), "_tread_handle", None)
+    keep = adapter.image_token_mask(mask > 0, text) if mask is not None and handle is not None else None
+    with handle.force_keep(keep) if keep is not None else nullcontext():
+        pred = adapter.predict(transformer, noisy, t, text)
+    return objective.loss(pred, target, t, weight=mask)
+
+
+def _prior_prediction(config, adapter, transformer, prior, noisy, t, text):
+    if config.model_type == "lora":
+        base = _unwrap(transformer)
+        base.disable_adapters()
+        try:
+            return adapter.predict(base, noisy, t, text)
+        finally:
+            base.enable_adapters()
+    if prior is None:
+        raise ValueError("is_regularisation_data: a full fine-tune needs the frozen base model (build_prior_model) "
+                         "to train regularisation samples against")
+    return adapter.predict(prior, noisy, t, text)
 
 
 @contextmanager
@@ -295,14 +356,16 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
 
     # ---- data and caches ----
     adapter = create_adapter(config, device=accelerator.device,
-                             weight_dtype=weight_dtype_for(config, accelerator.device))
-    preflight(config, adapter)
+                             weight_dtype=weight_dtype_for(config, accelerator.device),
+                             references=backends.uses_references)
+    preflight(config, adapter, backends)
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
     data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
     transformer = build_transformer(config, adapter, accelerator, generator)
+    prior = build_prior_model(config, adapter, data, accelerator.device)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = build_optimizer(config, params)
     lr_scheduler = get_scheduler(
@@ -345,11 +408,12 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
             while state.batch_in_epoch < len(mine) and state.global_step < max_steps:
                 if stop.stop:
                     raise TrainingInterrupted(f"stopped by signal at step {state.global_step}")
-                latents, text, is_reg = load_batch(mine[state.batch_in_epoch], data, config, generator,
-                                                   accelerator.device)
+                latents, cond, is_reg, mask = load_batch(mine[state.batch_in_epoch], data, config, generator,
+                                                         accelerator.device, adapter)
                 state.batch_in_epoch += 1
                 with accelerator.accumulate(transformer):
-                    loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
+                    loss = compute_loss(config, adapter, transformer, latents, cond, is_reg, generator, mask=mask,
+                                        prior=prior)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and config.max_grad_norm:
                         accelerator.clip_grad_norm_(params, config.max_grad_norm)

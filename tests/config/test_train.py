@@ -10,6 +10,7 @@ from simpletuner.config import (
     ConfigError,
     FieldError,
     TrainConfig,
+    family_names,
     get_family,
     load_train_config,
     resolve_tread_routes,
@@ -325,7 +326,7 @@ def test_every_field_has_a_description_and_a_group():
     for name, prop in properties.items():
         assert prop.get("description"), name
         assert prop.get("group") in GROUPS, name
-    assert properties["model_family"]["enum"] == ["flux"]
+    assert properties["model_family"]["enum"] == family_names()
     assert properties["config_version"]["readOnly"] is True
 
 

@@ -83,3 +83,106 @@ def test_init_lora_of_another_shape_is_refused(setup, tmp_path):
     with pytest.raises(Exception, match="size|shape"):
         add_lora(adapter.load_transformer(), adapter,
                  flux_config(init_lora=str(tmp_path / "pytorch_lora_weights.safetensors")))
+
+
+def _spy_predictions(adapter, monkeypatch) -> list[torch.Tensor]:
+    """Record every prediction ``adapter.predict`` returns, keeping its gradient."""
+    preds = []
+    original = adapter.predict
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out.requires_grad:
+            out.retain_grad()
+        preds.append(out)
+        return out
+
+    monkeypatch.setattr(adapter, "predict", spy)
+    return preds
+
+
+def test_masked_loss_gives_latents_outside_the_mask_no_gradient(setup, monkeypatch):
+    config, adapter, transformer, text = setup
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[0, :, :4, :4] = 1.0
+    mask[1, :, 4:, 2:] = 1.0
+    preds = _spy_predictions(adapter, monkeypatch)
+    transformer.zero_grad(set_to_none=True)
+    loss = compute_loss(config, adapter, transformer, torch.randn(2, 4, 8, 8), text, torch.tensor([False, False]),
+                        torch.Generator().manual_seed(2), mask=mask)
+    loss.backward()
+    grad = preds[-1].grad
+    outside = (mask == 0).expand_as(grad)
+    assert torch.all(grad[outside] == 0) and torch.all(grad[~outside] != 0)
+    # the LoRA still learns (from the masked-in latents only)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in transformer.named_parameters() if "lora_" in n)
+
+
+def test_tread_never_routes_masked_tokens_out(setup):
+    from simpletuner.training.tread import apply_tread
+
+    config, adapter, transformer, text = setup
+    handle = apply_tread(transformer, [{"selection_ratio": 0.75, "start_layer_idx": 1, "end_layer_idx": 4}],
+                         adapter.tread_layout(transformer), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(3)
+    dropped_without_force = 0
+    try:
+        transformer.train()
+        for _ in range(6):
+            mask = (torch.rand(2, 1, 8, 8, generator=g) > 0.9).float()
+            forced = set(adapter.image_token_mask(mask > 0, text).any(0).nonzero().flatten().tolist())
+            assert forced  # the draw masked something in
+            for with_mask in (True, False):
+                compute_loss(config, adapter, transformer, torch.randn(2, 4, 8, 8, generator=g), text,
+                             torch.tensor([False, False]), torch.Generator().manual_seed(4),
+                             mask=mask if with_mask else None)
+                kept = set(handle.last_selection[0][0].tolist())
+                assert len(kept) < 16  # the route did drop tokens
+                if with_mask:
+                    assert forced <= kept
+                else:
+                    dropped_without_force += not forced <= kept
+        assert dropped_without_force  # without the mask the router does drop some of those tokens
+    finally:
+        handle.remove()
+        transformer.eval()
+
+
+def test_full_finetune_trains_regularisation_data_towards_the_frozen_base(tiny_flux_path, setup):
+    _, _, _, text = setup
+    config = flux_config(model_type="full")
+    adapter = FluxAdapter(config)
+    model, prior = adapter.load_transformer(), adapter.load_transformer().requires_grad_(False)
+    latents = torch.randn(2, 4, 8, 8)
+    both, neither, first = torch.tensor([True, True]), torch.tensor([False, False]), torch.tensor([True, False])
+    # the fine-tune starts as the base: regularisation samples have nothing to learn, ordinary ones do
+    assert compute_loss(config, adapter, model, latents, text, both, torch.Generator().manual_seed(0),
+                        prior=prior).item() == 0.0
+    assert compute_loss(config, adapter, model, latents, text, neither, torch.Generator().manual_seed(0),
+                        prior=prior).item() > 0.1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    loss = compute_loss(config, adapter, model, latents, text, first, torch.Generator().manual_seed(0), prior=prior)
+    # by hand: sample 0 is trained towards the base's prediction, sample 1 towards the flow-matching velocity
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(latents.shape, generator=g)
+    t = adapter.objective.sample_timesteps(2, generator=g, image_seq_len=adapter.image_seq_len(latents.shape))
+    noisy = adapter.objective.add_noise(latents, noise, t)
+    with torch.no_grad():
+        base, pred = adapter.predict(prior, noisy, t, text), adapter.predict(model, noisy, t, text)
+    target = torch.stack([base[0], (noise - latents)[1]])
+    assert torch.allclose(loss, (pred - target).pow(2).mean(), atol=1e-6)
+    with pytest.raises(ValueError, match="is_regularisation_data: a full fine-tune needs the frozen base model"):
+        compute_loss(config, adapter, model, latents, text, first, torch.Generator().manual_seed(0))
+
+
+def test_a_full_run_on_regularisation_data_starts_at_zero_loss(make_setup):
+    from simpletuner.training.trainer import train
+
+    config, backends = make_setup(eval_dataset=False, model_type="full", max_train_steps=1, learning_rate=1e-3,
+                                  train_batch_size=2, checkpointing_steps=None)
+    backends.datasets[0].is_regularisation_data = True
+    assert train(config, backends).losses == [0.0]  # the model is the prior until it has trained
+    backends.datasets[0].is_regularisation_data = False
+    assert train(config.model_copy(update={"output_dir": config.output_dir + "-plain"}), backends).losses[0] > 0.1
