@@ -45,7 +45,8 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "text_encoder_2_precision": (M, "text_encoder_{n}_precision"),
     "text_encoder_3_precision": (M, "text_encoder_{n}_precision"),
     "text_encoder_4_precision": (M, "text_encoder_{n}_precision"),
-    "framerate": M, "validation_num_video_frames": M, "max_nan_loss_steps": T,
+    "framerate": M, "validation_num_video_frames": M, "max_nan_loss_steps": T, "snr_gamma": OBJ,
+    "validation_reference_image": PROMPTS,
     "base_model_default_dtype": T, "quantize_via": T, "enable_group_offload": T, "group_offload_type": T,
     "group_offload_blocks_per_group": T, "group_offload_use_stream": T, "group_offload_to_disk_path": T,
     "enable_model_cpu_offload": M, "offload_during_startup": T, "vae_enable_tiling": M,
@@ -85,10 +86,14 @@ DATASET_READERS: dict[str, tuple[str, str] | str] = {
     "minimum_image_size": D, "maximum_image_size": D, "target_downsample_size": D, "crop": D, "crop_style": D,
     "crop_aspect": D, "caption_strategy": D, "instance_prompt": D, "repeats": D,
     "is_regularisation_data": D, "cache_dir_vae": T, "probability": D, "video": D,
+
 }
 DATASET_CONFIG_ONLY = {
     "type": "only 'local' is accepted; other storage types are refused by the schema ('not supported yet')",
     "disabled": "a disabled entry is left out of the parsed backends entirely (config/data.py)",
+    "conditioning_data": "pairs datasets in DataBackends.paired (config/data.py), which the data layer's with_pairs "
+                         "and the adapter's reference check call",
+    "conditioning_type": "folds SimpleTuner's mask spelling into dataset_type 'mask' as the entry is parsed",
 }
 TEXT_EMBEDS_READERS: dict[str, tuple[str, str] | str] = {"id": T, "cache_dir": T, "write_batch_size": T}
 TEXT_EMBEDS_CONFIG_ONLY = {
@@ -201,6 +206,7 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "gradient_checkpointing_interval", "validation_negative_prompt", "quantize_via", "lr_warmup_steps",
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
                 "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
+                "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution
 from .errors import ConfigError, FieldError, errors_from_validation
 from .train import TrainConfig
 
 _NOT_YET = {
-    "dataset_type": {"conditioning", "image_embeds", "conditioning_image_embeds", "audio"},
+    "dataset_type": {"image_embeds", "conditioning_image_embeds", "audio"},
+    # reference images cropped independently of their target, ControlNet inputs, segmentation masks
+    "conditioning_type": {"reference_loose", "controlnet", "segmentation"},
     "type": {"aws", "csv", "huggingface", "parquet"},
     "caption_strategy": {"parquet", "jsonl", "huggingface", "csv"},
 }
@@ -37,7 +39,7 @@ UNSUPPORTED_DATASET_KEYS = frozenset(
         "prepend_instance_prompt",
         "only_instance_prompt",
         "conditioning",
-        "conditioning_data",
+        "source_dataset_id",
         "aspect_bucket_alignment",
         "aspect_bucket_rounding",
         "maximum_aspect_ratio",
@@ -100,13 +102,20 @@ class VideoOptions(StrictModel):
         return self
 
 
+# dataset types paired to an image (or eval) dataset through its ``conditioning_data``
+PAIRED_TYPES = ("conditioning", "mask")
+
+
 class DatasetBackend(StrictModel):
-    """A folder of training (``image`` or ``video``) or held-out evaluation (``eval``) files with captions."""
+    """A folder of training (``image`` or ``video``) or held-out evaluation (``eval``) files with captions, or of
+    images paired to those by relative path: reference images (``conditioning``) or loss masks (``mask``)."""
 
     id: str = _field(..., "unique name of the dataset; also names its caches", min_length=1)
     type: Literal["local"] = _field("local", "storage backend; only 'local' folders are supported")
-    dataset_type: Literal["image", "video", "eval"] = _field(
-        "image", "'image' or 'video' for training data, 'eval' for eval loss"
+    dataset_type: Literal["image", "video", "eval", "conditioning", "mask"] = _field(
+        "image", "'image' or 'video' for training data, 'eval' for eval loss, 'conditioning' for the reference "
+                 "images of an edit model, 'mask' for loss masks; conditioning and mask datasets are paired to an "
+                 "image dataset by its conditioning_data"
     )
     instance_data_dir: str = _field(..., "folder of images or videos (searched recursively)", path="dir",
                                     min_length=1)
@@ -137,15 +146,35 @@ class DatasetBackend(StrictModel):
     repeats: Int = _field(0, "extra times each image is seen per epoch (0 = once)", ge=0, le=1_000_000)
     is_regularisation_data: bool = _field(False, "regularisation data (trained against the base model)")
     cache_dir_vae: Optional[str] = _field(None, "latent cache folder; default cache/vae/<id>", path="dir")
+    conditioning_data: Optional[list[str]] = _field(
+        None, "ids of the conditioning and/or mask datasets paired with this one (each file matched by its path "
+              "relative to instance_data_dir, and cropped as its image is)"
+    )
+    conditioning_type: Optional[Literal["reference_strict", "mask"]] = _field(
+        None, "SimpleTuner's kind of a conditioning dataset: 'reference_strict' (prepared exactly like its paired "
+              "image, the only kind of reference supported) or 'mask' (the same as dataset_type 'mask')"
+    )
     disabled: bool = _field(False, "leave this dataset out")
     probability: float = _field(1.0, "relative chance of drawing a batch from this dataset", gt=0)
     video: Optional[VideoOptions] = _field(
         None, "video options: {num_frames, min_frames, max_frames, frame_rate, is_i2v, clip_mode}"
     )
 
+    @field_validator("conditioning_data", mode="before")
+    @classmethod
+    def _id_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> DatasetBackend:
         errors = []
+        if self.conditioning_type == "mask" and self.dataset_type == "conditioning":
+            self.dataset_type = "mask"  # SimpleTuner spells a mask dataset as a conditioning dataset of type mask
+        if self.conditioning_type is not None and self.dataset_type not in PAIRED_TYPES:
+            errors.append(FieldError("conditioning_type", "applies to conditioning datasets only"))
+        if self.conditioning_data and self.dataset_type in PAIRED_TYPES:
+            errors.append(FieldError("conditioning_data", f"a {self.dataset_type} dataset is paired to an image "
+                                                          "dataset, not the other way round"))
         if self.caption_strategy == "instanceprompt" and not self.instance_prompt:
             errors.append(FieldError("instance_prompt", "is required for caption_strategy 'instanceprompt'"))
         if self.resolution is not None:
@@ -213,6 +242,16 @@ class DataBackends:
     def eval_datasets(self) -> list[DatasetBackend]:
         """Enabled evaluation datasets (``dataset_type`` eval)."""
         return [d for d in self.datasets if d.dataset_type == "eval"]
+
+    def paired(self, dataset: DatasetBackend, kind: str) -> DatasetBackend | None:
+        """The ``kind`` ('conditioning' or 'mask') dataset paired with ``dataset`` by its conditioning_data."""
+        by_id = {d.id: d for d in self.datasets}
+        return next((by_id[i] for i in dataset.conditioning_data or () if by_id[i].dataset_type == kind), None)
+
+    @property
+    def uses_references(self) -> bool:
+        """The training datasets are paired with reference images: the run trains an edit model."""
+        return any(self.paired(d, "conditioning") is not None for d in self.image_datasets)
 
 
 def _is_true(value: Any) -> bool:
@@ -319,6 +358,7 @@ def parse_data_backends(
                     errors.append(FieldError(f"{path}.resolution", f"(from the config) {message}"))
             datasets.append(backend)
 
+    errors.extend(_pairing_errors(datasets, disabled, warnings))
     if not any(d.dataset_type in ("image", "video") for d in datasets) and not {"image", "video"} & failed_kinds:
         errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image' "
                                              "(or 'video')"))
@@ -355,6 +395,61 @@ def parse_data_backends(
     return DataBackends(datasets=datasets, text_embeds=chosen, warnings=warnings, disabled=disabled, source=source)
 
 
+def _pairing_errors(datasets: list[DatasetBackend], disabled: list[str], warnings: list[str]) -> list[FieldError]:
+    """``conditioning_data`` names enabled conditioning / mask datasets, at most one of each per dataset; a paired
+    type that nothing pairs with is a warning."""
+    errors = []
+    by_id = {d.id: d for d in datasets}
+    used: set[str] = set()
+    for d in datasets:
+        kinds: dict[str, str] = {}
+        for ident in d.conditioning_data or ():
+            where = f"datasets[{d.id}].conditioning_data"
+            other = by_id.get(ident)
+            if other is None:
+                known = ", ".join(x.id for x in datasets if x.dataset_type in PAIRED_TYPES) or "none"
+                state = "is disabled" if ident in disabled else "is not a dataset id"
+                errors.append(FieldError(where, f"{ident!r} {state} (conditioning and mask datasets: {known})"))
+            elif other.dataset_type not in PAIRED_TYPES:
+                errors.append(FieldError(where, f"{ident!r} is a dataset_type {other.dataset_type!r} dataset; "
+                                                "pair conditioning or mask datasets"))
+            elif other.dataset_type in kinds:
+                errors.append(FieldError(where, f"{kinds[other.dataset_type]!r} and {ident!r} are both "
+                                                f"{other.dataset_type} datasets; one of each kind per dataset is "
+                                                "supported"))
+            else:
+                kinds[other.dataset_type] = ident
+                used.add(ident)
+    for d in datasets:
+        if d.dataset_type in PAIRED_TYPES and d.id not in used:
+            warnings.append(f"datasets[{d.id}]: a {d.dataset_type} dataset that no dataset names in its "
+                            "conditioning_data; ignored")
+    return errors
+
+
+def reference_errors(backends: DataBackends, config: TrainConfig) -> list[FieldError]:
+    """Reference images against the model: an edit flavour needs every training and eval dataset paired with
+    its references; a model that takes none refuses them; a run with references has them for every dataset (its
+    batches cannot mix edit and text-to-image samples)."""
+    family = config.family
+    flavour = config.model_flavour
+    takes = family.takes_references(flavour)
+    needs = flavour in family.reference_flavours or (takes and backends.uses_references)
+    errors = []
+    for d in backends.image_datasets + backends.eval_datasets:
+        has = backends.paired(d, "conditioning") is not None
+        where = f"datasets[{d.id}].conditioning_data"
+        if has and not takes:
+            edit = ", ".join(family.reference_flavours)
+            hint = f"; model_flavour {edit} does" if edit else ""
+            errors.append(FieldError(where, f"model_family {family.name} flavour {flavour!r} does not take "
+                                            f"reference images{hint}"))
+        elif needs and not has:
+            errors.append(FieldError(where, f"model_flavour {flavour!r} is trained on (reference, edit) pairs: "
+                                            "name the conditioning dataset holding this dataset's reference images"))
+    return errors
+
+
 def load_data_backends(
     source: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
     *,
@@ -376,7 +471,8 @@ def load_data_backends(
     entries = read_json(source) if name is not None else source
     backends = parse_data_backends(entries, resolution=resolution, resolution_type=resolution_type, source=name)
     if config is not None:
-        errors = [FieldError(f"datasets[{d.id}].is_regularisation_data",
+        errors = reference_errors(backends, config)
+        errors += [FieldError(f"datasets[{d.id}].is_regularisation_data",
                              "needs model_type 'lora': its target is the base model's own prediction (the adapter "
                              "switched off), and a full fine-tune has no frozen base to ask")
                   for d in backends.datasets if d.is_regularisation_data and config.model_type != "lora"]

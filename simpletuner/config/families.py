@@ -56,6 +56,9 @@ class ModelFamily:
     # learning-rate multipliers for trainable parameters whose names match an fnmatch pattern (first match wins);
     # the optimizer gets one parameter group per multiplier
     lr_scale: tuple[tuple[str, float], ...] = ()
+    # flavours that edit a reference image: their image datasets need ``conditioning_data`` (reference images),
+    # packed in as the flavour's pipeline does; the family's ``tiny`` flavour takes references when they are paired
+    reference_flavours: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.default_flavour not in self.flavours:
@@ -74,6 +77,9 @@ class ModelFamily:
                 raise ValueError(f"{self.name}: flavour {flavour!r} defaults to attention masking it lacks")
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter must be 'module:Class', got {self.adapter!r}")
+        for flavour in self.reference_flavours:
+            if flavour not in self.flavours:
+                raise ValueError(f"{self.name}: reference_flavours names {flavour!r}, which is not one of its flavours")
 
     def default_weights(self, flavour: str | None) -> str | None:
         """Default ``pretrained_model_name_or_path`` for ``flavour`` (the family default when None)."""
@@ -82,6 +88,11 @@ class ModelFamily:
     @property
     def default_objective(self) -> str:
         return self.objectives[0]
+
+    def takes_references(self, flavour: str | None) -> bool:
+        """Whether ``flavour`` can be trained on (reference, target) pairs: an edit flavour, or ``tiny`` of a
+        family that has one (the tiny model stands in for every flavour of its family)."""
+        return bool(self.reference_flavours) and (flavour in self.reference_flavours or flavour == "tiny")
 
 
 FLUX = ModelFamily(
@@ -115,6 +126,7 @@ FLUX = ModelFamily(
             "libreflux": MappingProxyType({"attention_masked_training": True}),
         }
     ),
+    reference_flavours=("kontext",),
 )
 
 WAN = ModelFamily(
@@ -329,18 +341,56 @@ FLUX2 = ModelFamily(
     guidance_embeds=True,  # dev's distilled guidance; Klein has none and ignores guidance_value
 )
 
+# UNet families: LoRA on the attention projections, or on every linear and conv layer of the UNet's blocks
+_UNET_LORA_TARGETS = ("attention", "all")
+
+SDXL = ModelFamily(
+    name="sdxl",
+    description="Stability AI Stable Diffusion XL (2.6B UNet, epsilon or v-prediction, CLIP-L + OpenCLIP-bigG)",
+    adapter="simpletuner.models.sdxl:SDXLAdapter",
+    flavours=MappingProxyType(
+        {
+            "base-1.0": "stabilityai/stable-diffusion-xl-base-1.0",
+            "base-0.9": "stabilityai/stable-diffusion-xl-base-0.9",
+            "noobai-vpred-1.0": "Laxhar/noobai-XL-Vpred-1.0",
+            "terminus-xl-velocity-v2": "ptx0/terminus-xl-velocity-v2",
+            "tiny": None,
+        }
+    ),
+    default_flavour="base-1.0",
+    lora_targets=_UNET_LORA_TARGETS,
+    default_lora_target="attention",
+    objectives=("epsilon", "v_prediction"),
+    num_text_encoders=2,
+    # v-prediction fine-tunes of SDXL, trained on a zero-terminal-SNR schedule
+    flavour_defaults=MappingProxyType({
+        flavour: MappingProxyType({"prediction_type": "v_prediction", "rescale_betas_zero_snr": True})
+        for flavour in ("noobai-vpred-1.0", "terminus-xl-velocity-v2")
+    }),
+)
+
+KOLORS = ModelFamily(
+    name="kolors",
+    description="Kuaishou Kolors (SDXL-style UNet, epsilon, ChatGLM3-6B text encoder)",
+    adapter="simpletuner.models.kolors:KolorsAdapter",
+    flavours=MappingProxyType({"1.0": "Kwai-Kolors/Kolors-diffusers", "tiny": None}),
+    default_flavour="1.0",
+    lora_targets=_UNET_LORA_TARGETS,
+    default_lora_target="attention",
+    objectives=("epsilon", "v_prediction"),
+    num_text_encoders=1,
+)
+
 _FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, HIDREAM, QWEN_IMAGE, COSMOS2IMAGE,
-                        FLUX2, Z_IMAGE, WAN, LTXVIDEO)
+                        FLUX2, Z_IMAGE, SDXL, KOLORS, WAN, LTXVIDEO)
 }
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
 # SimpleTuner families that this rewrite plans to support; naming one gives "planned", not "unknown".
 PLANNED_FAMILIES: tuple[str, ...] = (
-    "sdxl",
     "sd1x",
     "sd2x",
-    "kolors",
     "hunyuanvideo",
     "omnigen",
 )

@@ -412,6 +412,13 @@ class TrainConfig(StrictModel):
         "0.25) instead of the sigmoid; empty = the flavour's default (on for Flux schnell). "
         "SimpleTuner: flux_fast_schedule",
     )
+    snr_gamma: Optional[float] = _field(
+        None,
+        "training",
+        "min-SNR loss weighting (Hang et al. 2023): each sample's loss is weighted by min(SNR, gamma) / SNR "
+        "(epsilon) or / (SNR + 1) (v_prediction); 5 is the paper's value; empty or 0 = off. DDPM objectives only",
+        ge=0,
+    )
     guidance_value: Optional[float] = _field(
         None,
         "training",
@@ -555,6 +562,10 @@ class TrainConfig(StrictModel):
     validation_on_startup: bool = _field(False, "validation", "also validate before the first step")
     validation_prompt: Optional[str] = _field(None, "validation", "prompt for validation images")
     validation_negative_prompt: Optional[str] = _field(None, "validation", "negative prompt (real CFG only)")
+    validation_reference_image: Optional[str] = _field(
+        None, "validation", "edit models (Flux Kontext, Qwen-Image-Edit): the image validation_prompt edits, cropped "
+                            "to each validation resolution (user_prompt_library entries name their own)"
+    )
     validation_resolution: Optional[str] = _field(
         None, "validation", "'1024', '1024x768' or a comma-separated list; empty = the training resolution"
     )
@@ -682,16 +693,6 @@ class TrainConfig(StrictModel):
     def _check_and_fill(self) -> TrainConfig:
         errors: list[FieldError] = []
         family = get_family(self.model_family)
-        errors.extend(family_option_errors(family, self.__dict__))
-        if self.lora_target is None:
-            self.lora_target = family.default_lora_target
-        if self.prediction_type is None:
-            self.prediction_type = family.default_objective
-        if self.rescale_betas_zero_snr and self.prediction_type == "flow_matching":
-            errors.append(FieldError("rescale_betas_zero_snr", "applies to the DDPM objectives (epsilon, "
-                                                               "v_prediction), not flow_matching"))
-        if self.guidance_value is None and family.guidance_embeds:
-            self.guidance_value = family.default_guidance_value
         if self.model_flavour is None:
             self.model_flavour = family.default_flavour
         try:
@@ -701,9 +702,23 @@ class TrainConfig(StrictModel):
         else:
             if self.pretrained_model_name_or_path is None:
                 self.pretrained_model_name_or_path = family.default_weights(self.model_flavour)
-            for name, value in family.flavour_defaults.get(self.model_flavour, {}).items():
-                if getattr(self, name) is None:
-                    setattr(self, name, value)
+            # what the flavour implies (a v-prediction fine-tune's objective), unless the config says otherwise
+            for key, value in family.flavour_defaults.get(self.model_flavour, {}).items():
+                if key not in self.model_fields_set or getattr(self, key) is None:
+                    setattr(self, key, value)
+        errors.extend(family_option_errors(family, self.__dict__))
+        if self.lora_target is None:
+            self.lora_target = family.default_lora_target
+        if self.prediction_type is None:
+            self.prediction_type = family.default_objective
+        if self.rescale_betas_zero_snr and self.prediction_type == "flow_matching":
+            errors.append(FieldError("rescale_betas_zero_snr", "applies to the DDPM objectives (epsilon, "
+                                                               "v_prediction), not flow_matching"))
+        if self.snr_gamma and self.prediction_type == "flow_matching":
+            errors.append(FieldError("snr_gamma", "min-SNR weighting applies to the DDPM objectives (epsilon, "
+                                                  "v_prediction), not flow_matching"))
+        if self.guidance_value is None and family.guidance_embeds:
+            self.guidance_value = family.default_guidance_value
         if self.flow_fast_schedule is None:
             self.flow_fast_schedule = False
         if self.attention_masked_training is None:

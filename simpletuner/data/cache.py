@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.config import paths
 from simpletuner.config.files import safetensors_intact
-from simpletuner.data.discovery import DatasetError, Sample, load_pixels
+from simpletuner.data.discovery import DatasetError, Sample, load_mask, load_pixels
 
 log = logging.getLogger("simpletuner.cache")
 
@@ -37,6 +37,11 @@ def latent_key(sample: Sample, vae_identity: str) -> str:
     if sample.frame_indices is not None:  # a video family's clip: which frames (image-family keys stay as they were)
         payload.append(list(sample.frame_indices))
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def mask_key(sample: Sample, vae_scale_factor: int) -> str:
+    """A loss mask at latent resolution: the file and its preparation, and the VAE's downscale."""
+    return latent_key(sample, f"mask/{vae_scale_factor}")
 
 
 def text_key(caption: str, text_identity: str) -> str:
@@ -136,6 +141,22 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
         bar.update(len(group))
     bar.close()
     return encoded
+
+
+def fill_mask_cache(samples_by_cache: dict[str, list[Sample]], vae_scale_factor: int, show_progress=True) -> int:
+    """Store every mask sample's latent-resolution weights that are not cached yet (no model needed); returns how
+    many were written."""
+    todo = {}
+    for folder, samples in samples_by_cache.items():
+        cache = TensorCache(folder)
+        for s in samples:
+            key = mask_key(s, vae_scale_factor)
+            if key not in todo and not cache.has(key):
+                todo[key] = (cache, s)
+    for key, (cache, s) in tqdm(todo.items(), desc="Caching loss masks", disable=not show_progress or not todo):
+        w, h = s.target_size
+        cache.save(key, {"mask": load_mask(s, (h // vae_scale_factor, w // vae_scale_factor))})
+    return len(todo)
 
 
 def negative_identity(text_identity: str) -> str:

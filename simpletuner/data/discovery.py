@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image, ImageOps
@@ -44,6 +44,9 @@ class Sample:
     mtime_ns: int = 0
     # source frame indices of a video family's clip ((0,) for an image); None in an image family
     frame_indices: tuple[int, ...] | None = None
+    original_size: tuple[int, int] | None = None  # (width, height) of the file, before any resize or crop
+    conditioning: Sample | None = None  # the paired reference image, prepared exactly as this one
+    mask: Sample | None = None  # the paired loss mask, likewise
 
     @property
     def num_frames(self) -> int | None:
@@ -213,10 +216,67 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
                 target_size=target, resize_to=resize_to, crop_box=crop_box,
                 is_regularisation=bool(getattr(backend, "is_regularisation_data", False)),
                 file_size=stat.st_size, mtime_ns=stat.st_mtime_ns, frame_indices=frames,
+                original_size=(width, height),
             ))
     for file, reason in result.skipped:
         log.warning("datasets[%s]: skipping %s: %s", backend.id, file, reason)
     return result
+
+
+def _image_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+
+
+def pair(samples: list[Sample], backend, paired_backend, kind: str) -> list[Sample]:
+    """``samples`` (of ``backend``) each with its file of ``paired_backend`` attached as ``kind`` ('conditioning'
+    or 'mask'): the file at the same path relative to instance_data_dir (or, when no file has that exact name, the
+    one with the same name and another image extension), prepared with the sample's own bucket, resize and crop so
+    the two stay pixel-aligned. DatasetError naming both datasets when a sample has no partner."""
+    root = Path(backend.instance_data_dir).expanduser().resolve()
+    paired_root = Path(paired_backend.instance_data_dir).expanduser()
+    where = f"datasets[{backend.id}].conditioning_data"
+    if not paired_root.is_dir():
+        raise DatasetError(f"datasets[{paired_backend.id}].instance_data_dir: folder {paired_root} does not exist")
+    files = {p.relative_to(paired_root).as_posix(): p for p in _image_files(paired_root)}
+    by_stem: dict[str, list[Path]] = {}
+    for rel, path in files.items():
+        by_stem.setdefault(rel.rsplit(".", 1)[0], []).append(path)
+    out, missing, reshaped = [], [], 0
+    for s in samples:
+        rel = Path(s.path).relative_to(root).as_posix()
+        partner = files.get(rel)
+        if partner is None:
+            candidates = by_stem.get(rel.rsplit(".", 1)[0], [])
+            partner = candidates[0] if len(candidates) == 1 else None
+        if partner is None:
+            missing.append(rel)
+            continue
+        with Image.open(partner) as im:
+            width, height = ImageOps.exif_transpose(im).size
+        if s.original_size and abs(math.log((width / height) / (s.original_size[0] / s.original_size[1]))) > 0.02:
+            reshaped += 1
+        stat = partner.stat()
+        other = Sample(dataset_id=paired_backend.id, path=str(partner.resolve()), caption="",
+                       target_size=s.target_size, resize_to=s.resize_to, crop_box=s.crop_box,
+                       file_size=stat.st_size, mtime_ns=stat.st_mtime_ns, original_size=(width, height))
+        out.append(replace(s, **{kind: other}))
+    if missing:
+        raise DatasetError(f"{where}: {len(missing)} of {len(samples)} image(s) have no file in "
+                           f"datasets[{paired_backend.id}] ({paired_root}), e.g. {missing[:3]}; files are paired by "
+                           "their path relative to instance_data_dir")
+    if reshaped:
+        log.warning("%s: %d %s image(s) of datasets[%s] have another aspect ratio than their image and are "
+                    "stretched to its crop", where, reshaped, kind, paired_backend.id)
+    return out
+
+
+def with_pairs(backends, backend, samples: list[Sample]) -> list[Sample]:
+    """``samples`` of ``backend`` with the conditioning and mask files its ``conditioning_data`` pairs them with."""
+    for kind in ("conditioning", "mask"):
+        paired = backends.paired(backend, kind)
+        if paired is not None:
+            samples = pair(samples, backend, paired, kind)
+    return samples
 
 
 def _to_tensor(im):
@@ -245,3 +305,29 @@ def load_pixels(sample: Sample):
     if sample.frame_indices is None:
         return tensors[0]
     return torch.stack(tensors, dim=1)
+
+
+def load_pixels_at(path: Path, width: int, height: int):
+    """An image file as pixels in [-1, 1], (3, height, width): resized to cover the size, centre-cropped (how a
+    validation reference image is fitted to a validation resolution)."""
+    with Image.open(path) as im:
+        w, h = ImageOps.exif_transpose(im).size
+    scale = max(width / w, height / h)
+    rw, rh = max(width, math.ceil(w * scale)), max(height, math.ceil(h * scale))
+    left, top = (rw - width) // 2, (rh - height) // 2
+    sample = Sample("reference", str(path), "", (width, height), (rw, rh), (left, top, left + width, top + height))
+    return load_pixels(sample)
+
+
+def load_mask(sample: Sample, latent_size: tuple[int, int]):
+    """The sample's mask file as loss weights at latent resolution, (1, h, w) in [0, 1]: white trains, black is
+    ignored; the pixels are prepared like the image's (resize, crop), then area-averaged down to the latents."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    with Image.open(sample.path) as im:
+        im = ImageOps.exif_transpose(im).convert("L")
+        im = im.resize(sample.resize_to, Image.Resampling.BILINEAR).crop(sample.crop_box)
+    pixels = torch.from_numpy(np.asarray(im, dtype=np.float32).copy())[None, None] / 255.0
+    return F.interpolate(pixels, size=latent_size, mode="area")[0]

@@ -27,7 +27,8 @@ class EvalItem:
 
     key: str
     latents: torch.Tensor  # (C, h, w)
-    text: dict[str, torch.Tensor]  # one prompt's embeddings, no batch dimension
+    text: dict[str, torch.Tensor]  # one prompt's embeddings (and the sample's other conditioning), no batch dimension
+    mask: torch.Tensor | None = None  # (1, h, w) loss weights, for a dataset paired with masks
 
 
 def fixed_noise(key: str, shape, dtype=torch.float32) -> torch.Tensor:
@@ -65,7 +66,9 @@ def evaluation_loss(adapter, transformer, items: list[EvalItem], *, levels=None,
             text = {k: v.unsqueeze(0).expand(n, *v.shape).to(device) for k, v in item.text.items()}
             noisy = objective.add_noise(x0, eps, t)
             pred = adapter.predict(transformer, noisy, t, text)
-            totals[start:start + n] += objective.per_sample_loss(pred, objective.target(x0, eps, t), t).double().cpu()
+            mask = None if item.mask is None else item.mask.unsqueeze(0).expand(n, *item.mask.shape).to(device)
+            totals[start:start + n] += objective.per_sample_loss(pred, objective.target(x0, eps, t), t,
+                                                                 weight=mask).double().cpu()
     per_level = (totals / len(items)).tolist()
     metrics = {metric_name(float(level), objective): value for level, value in zip(levels.tolist(), per_level)}
     metrics["eval/loss"] = sum(per_level) / len(per_level)

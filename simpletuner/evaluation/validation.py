@@ -108,18 +108,22 @@ class ValidationRunner:
 
     ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension), and
     ``negative_embeddings`` the negative prompt's (as the pipeline encodes negatives; ``embeddings`` if not given);
-    ``preview_decoder`` is an AutoencoderTiny (or None for no previews); ``on_preview(preview, step)`` and
-    ``on_image(image, step)`` are called as each preview / image is written.
+    ``references(prompt, width, height)`` the latents (C, h, w) of the reference image an edit model edits for that
+    prompt at that size (None without references); ``preview_decoder`` is an AutoencoderTiny (or None for no
+    previews); ``on_preview(preview, step)`` and ``on_image(image, step)`` are called as each preview / image is
+    written.
     """
 
     def __init__(self, config, adapter, embeddings: Callable[[str], dict], *,
                  negative_embeddings: Callable[[str], dict] | None = None, preview_decoder=None,
                  on_preview: Callable[[PreviewImage, int], None] | None = None,
-                 on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None):
+                 on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None,
+                 references: Callable[[ValidationPrompt, int, int], torch.Tensor | None] | None = None):
         self.config = config
         self.adapter = adapter
         self.embeddings = embeddings
         self.negative_embeddings = negative_embeddings or embeddings
+        self.references = references
         self.preview_decoder = preview_decoder
         self.on_preview = on_preview
         self.on_image = on_image
@@ -142,6 +146,9 @@ class ValidationRunner:
             for item in prompts:
                 text = self._embeddings(item.prompt)
                 for width, height in resolutions:
+                    reference = self.references(item, width, height) if self.references is not None else None
+                    if reference is not None:
+                        text = {**text, "reference_latents": reference.unsqueeze(0).to(self.adapter.device)}
                     frames = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
                     frames[0].save(path)

@@ -78,6 +78,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
     family: str = ""
     #: the diffusers pipeline class used for validation and for saving/loading LoRA weights
     pipeline_class: Any = None
+    #: the pipeline of the family's edit flavours (``reference_flavours`` in the family table), which takes a
+    #: reference image beside the prompt; None for a family without one
+    edit_pipeline_class: Any = None
     #: the denoiser's model class, and its subfolder (also its pipeline component name: "transformer" or "unet")
     denoiser_class: Any = None
     denoiser_subfolder: str = "transformer"
@@ -101,10 +104,20 @@ class ModelAdapter(metaclass=_AdapterMeta):
     #: video families: frames of a validation video unless ``validation_num_video_frames`` says otherwise
     default_validation_frames: int = 9
 
-    def __init__(self, config, *, device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32):
+    def __init__(self, config, *, device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32,
+                 references: bool | None = None):
+        """``references``: the run trains on (reference, target) pairs (its image datasets have ``conditioning_data``
+        reference images); None means "if the flavour is an edit flavour"."""
         self.config = config
         self.device = torch.device(device)
         self.weight_dtype = weight_dtype
+        if references is None:
+            from simpletuner.config.families import get_family
+
+            references = config.model_flavour in get_family(self.family).reference_flavours
+        if references and self.edit_pipeline_class is None:
+            raise ValueError(f"conditioning_data: model_family {self.family!r} does not take reference images")
+        self.references = bool(references)
         self.vae = None
         self.text_encoders: list[torch.nn.Module] = []
         self.tokenizers: list[Any] = []
@@ -303,6 +316,19 @@ class ModelAdapter(metaclass=_AdapterMeta):
         self.offload_idle()
         return ((latents - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor).float().cpu()
 
+    @cached_property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent along each side (read from the VAE's config.json, without loading the VAE)."""
+        if self.vae is not None:
+            cfg = dict(self.vae.config)
+        else:
+            from diffusers import AutoencoderKL
+
+            path = self.config.pretrained_vae_model_name_or_path or self.model_path()
+            subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
+            cfg = AutoencoderKL.load_config(path, subfolder=subfolder, revision=getattr(self.config, "revision", None))
+        return 2 ** (len(cfg["block_out_channels"]) - 1)
+
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The inverse of ``encode_images``: latents -> pixels in about [-1, 1]."""
@@ -346,13 +372,26 @@ class ModelAdapter(metaclass=_AdapterMeta):
         return dict(DDPMScheduler.load_config(self.model_path(), subfolder="scheduler",
                                               revision=getattr(self.config, "revision", None)))
 
+    def sample_conditioning(self, samples) -> dict[str, torch.Tensor]:
+        """Per-sample conditioning the family derives from how each training image was prepared (its
+        ``simpletuner.data.discovery.Sample``: original size, bucket, crop), batched; merged into ``predict``'s
+        conditioning beside the text embeddings. SDXL's micro-conditioning lives here; most families have none."""
+        return {}
+
     @abstractmethod
     def predict(self, transformer, noisy_latents: torch.Tensor, t: torch.Tensor,
                 text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The denoiser's prediction in the latent layout of ``noisy_latents`` ((B, C, h, w), or (B, C, F, h, w) for
-        video), for timesteps ``t`` in the objective's units and a batch of cached conditioning (text embeddings,
-        plus the extra keys of ``latent_cache_entries``): exactly what the pipeline hands its scheduler's ``step``
-        for the same inputs (with classifier-free guidance off)."""
+        video), for timesteps ``t`` in the objective's units and a batch of cached conditioning: the text embeddings,
+        plus the extra keys of ``latent_cache_entries`` and, in a run with references, ``reference_latents``
+        (B, C, h', w'), the encoded reference images. Exactly what the pipeline hands its scheduler's ``step`` for
+        the same inputs (with classifier-free guidance off)."""
+
+    def image_token_mask(self, mask: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A latent-resolution loss mask (B, 1, h, w) -> (B, N) bool over the image tokens a TREAD router sees
+        (True where the mask is non-zero): the tokens a route must keep. Families with a TREAD layout implement
+        it."""
+        raise ValueError(f"tread_config: model_family {self.family!r} cannot route with a loss mask")
 
     @abstractmethod
     def image_seq_len(self, latent_shape: tuple[int, ...]) -> int:
@@ -387,9 +426,14 @@ class ModelAdapter(metaclass=_AdapterMeta):
         """Where TREAD hooks in this family's blocks (and then ``transformer_depth`` counts them), or None when its
         token path does not allow routing (say why in the family's docstring)."""
 
+    @property
+    def run_pipeline_class(self):
+        """The pipeline this run validates with: the edit pipeline when it trains on reference images."""
+        return self.edit_pipeline_class if self.references else self.pipeline_class
+
     def save_lora(self, lora_state_dict: dict[str, torch.Tensor], output_dir: str | Path) -> Path:
         """Write a LoRA the family's diffusers pipeline loads with ``load_lora`` (its ``load_lora_weights``)."""
-        self.pipeline_class.save_lora_weights(
+        self.run_pipeline_class.save_lora_weights(
             str(output_dir), **{self.lora_layers_argument: lora_state_dict}, safe_serialization=True
         )
         return Path(output_dir) / "pytorch_lora_weights.safetensors"
@@ -402,7 +446,7 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def _pipeline(self, transformer, text_components: dict[str, Any]):
         if self.vae is None:
             self.load_vae()
-        return self.pipeline_class.from_pretrained(
+        return self.run_pipeline_class.from_pretrained(
             self.model_path(), revision=self.config.revision,
             **{self.denoiser_subfolder: transformer, "vae": self.vae}, **text_components,
         )
@@ -423,7 +467,18 @@ class ModelAdapter(metaclass=_AdapterMeta):
         """Pipeline keyword arguments for one image from batched cached embeddings: ``guidance`` is the family's
         guidance scale, ``guidance_real`` > 1 with a ``negative`` embedding turns on true CFG where the family
         distinguishes the two. Non-tensor arguments (lengths, guidance) must also be right for a call with
-        ``prompt=`` instead of the embeddings."""
+        ``prompt=`` instead of the embeddings. In a run with references, ``text`` carries ``reference_latents``
+        and the arguments hand them to the edit pipeline."""
+
+    def reference_pipeline_kwargs(self, image) -> dict:
+        """Edit-pipeline keyword arguments that hand it a reference ``image`` (PIL, already the output's size) the way
+        its users call it, so it prepares and encodes the image itself exactly as training's references were."""
+        raise ValueError(f"model_family {self.family!r} has no edit pipeline")
+
+    def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
+        """Whether validation at these guidance scales needs the negative prompt's embedding: true classifier-free
+        guidance (``guidance_real`` > 1) by default; families whose ``guidance`` is classifier-free say so."""
+        return guidance_real > 1
 
     def uses_negative_prompt(self, guidance: float, guidance_real: float) -> bool:
         """Whether validation at these scales runs classifier-free guidance against the negative prompt, so its

@@ -97,17 +97,14 @@ class Cosmos2TrainingPipeline(Cosmos2TextToImagePipeline):
 class CosmosFlowMatching(FlowMatching):
     """Flow matching in Cosmos's ``t = sigma / (1 + sigma)``, weighted as its EDM loss (see the module docstring)."""
 
-    @staticmethod
-    def edm_weight(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        t = t.to(like.device, torch.float32).view(-1, *([1] * (like.ndim - 1)))
+    def loss_weights(self, t: torch.Tensor) -> torch.Tensor:
+        """SimpleTuner's EDM weighting of each sample's squared error: t^2 + (1 - t)^2."""
+        t = t.float()
         return t ** 2 + (1 - t) ** 2
 
-    def loss(self, pred, target, t):
-        return self.per_sample_loss(pred, target, t).mean()
-
-    def per_sample_loss(self, pred, target, t):
-        err = (pred.float() - target.float()).pow(2) * self.edm_weight(t, pred)
-        return err.flatten(1).mean(1)
+    def per_sample_loss(self, pred, target, t, weight=None):
+        """Cosmos's eval loss is its training loss per sample: the EDM weight included."""
+        return super().per_sample_loss(pred, target, t, weight) * self.loss_weights(t).to(pred.device)
 
     def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
         sigma = scheduler.sigmas[index].reshape(1).float()

@@ -4,7 +4,10 @@ Family quirks kept here:
 - latents are 2x2-packed into tokens, with (0, row, col) position ids per token and zero ids for text tokens;
 - the transformer gets ``timestep = sigma`` (the pipeline divides its 0..1000 timesteps by 1000);
 - guidance-distilled flavours (dev, krea, kontext, fluxbooru, tiny) take a guidance vector, schnell does not;
-- the VAE normalises latents as ``(z - shift_factor) * scaling_factor``.
+- the VAE normalises latents as ``(z - shift_factor) * scaling_factor``;
+- Kontext (``kontext``, and ``tiny`` when the data pairs reference images) edits a reference image: its latents are
+  packed into tokens like the target's and appended after them, with position ids whose first coordinate is 1, and
+  only the target tokens of the output are the prediction (FluxKontextPipeline does exactly this).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderTiny,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
 )
@@ -42,6 +46,7 @@ _SINGLE_MLP = ["proj_mlp", "proj_out"]
 class FluxAdapter(ModelAdapter):
     family = "flux"
     pipeline_class = FluxPipeline
+    edit_pipeline_class = FluxKontextPipeline
     denoiser_class = FluxTransformer2DModel
     text_encoder_specs = (
         ("text_encoder", CLIPTextModel, "tokenizer", CLIPTokenizer),
@@ -112,20 +117,31 @@ class FluxAdapter(ModelAdapter):
         return torch.full((batch,), float(self.config.guidance_value), device=device, dtype=dtype)
 
     def model_inputs(self, transformer, noisy_latents, t, text: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """FluxPipeline's transformer arguments: the pipeline passes ``timestep / 1000``, i.e. sigma itself."""
+        """FluxPipeline's transformer arguments: the pipeline passes ``timestep / 1000``, i.e. sigma itself. With
+        ``reference_latents`` (Kontext), FluxKontextPipeline's: the reference tokens follow the target tokens, their
+        position ids marked 1 in the first coordinate."""
         b, _, h, w = noisy_latents.shape
         model = getattr(transformer, "module", transformer)  # unwrap DDP
         dtype = model.dtype
         device = noisy_latents.device
         prompt_embeds = text["prompt_embeds"].to(device, dtype)
+        tokens = self.pack_latents(noisy_latents).to(dtype)
+        ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        reference = text.get("reference_latents")
+        if reference is not None:
+            rh, rw = reference.shape[-2:]
+            ref_ids = FluxPipeline._prepare_latent_image_ids(b, rh // 2, rw // 2, device, dtype)
+            ref_ids[..., 0] = 1
+            tokens = torch.cat([tokens, self.pack_latents(reference.to(device, dtype))], dim=1)
+            ids = torch.cat([ids, ref_ids], dim=0)
         inputs = {
-            "hidden_states": self.pack_latents(noisy_latents).to(dtype),
+            "hidden_states": tokens,
             "timestep": t.to(device, dtype),
             "guidance": self.guidance_vector(model, b, device, dtype),
             "pooled_projections": text["pooled_prompt_embeds"].to(device, dtype),
             "encoder_hidden_states": prompt_embeds,
             "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            "img_ids": ids,
             "return_dict": False,
         }
         if self.masked:
@@ -133,13 +149,23 @@ class FluxAdapter(ModelAdapter):
                 raise ValueError("attention_masked_training: these text embeddings were cached without their T5 "
                                  "attention mask; delete the text cache so they are encoded again")
             inputs["joint_attention_kwargs"] = {
-                "attention_mask": self.joint_attention_mask(text["attention_mask"].to(device), (h // 2) * (w // 2))}
+                "attention_mask": self.joint_attention_mask(text["attention_mask"].to(device), tokens.shape[1])}
         return inputs
 
     def predict(self, transformer, noisy_latents, t, text: dict[str, torch.Tensor]) -> torch.Tensor:
         _, _, h, w = noisy_latents.shape
         out = transformer(**self.model_inputs(transformer, noisy_latents, t, text))[0]
-        return self.unpack_latents(out, h, w)
+        return self.unpack_latents(out[:, : (h // 2) * (w // 2)], h, w)  # the target's tokens (Kontext adds more)
+
+    def image_token_mask(self, mask: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A token is kept when any of its 2x2 latents is masked in; reference tokens (Kontext) are not forced."""
+        b, _, h, w = mask.shape
+        tokens = mask.view(b, h // 2, 2, w // 2, 2).any(4).any(2).reshape(b, -1)
+        reference = text.get("reference_latents")
+        if reference is not None:
+            extra = (reference.shape[-2] // 2) * (reference.shape[-1] // 2)
+            tokens = torch.cat([tokens, tokens.new_zeros(b, extra)], dim=1)
+        return tokens
 
     def image_seq_len(self, latent_shape) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
@@ -194,6 +220,10 @@ class FluxAdapter(ModelAdapter):
         guidance; ``guidance_real`` > 1 with a ``negative`` embedding turns on true classifier-free guidance."""
         kwargs = {"prompt_embeds": text["prompt_embeds"], "pooled_prompt_embeds": text["pooled_prompt_embeds"],
                   "guidance_scale": guidance, "max_sequence_length": self.t5_max_length}
+        if "reference_latents" in text:  # FluxKontextPipeline takes already-encoded latents as its image
+            reference = text["reference_latents"]
+            # references are cropped to the output's size; without max_area the pipeline resizes to 1024x1024
+            kwargs.update(image=reference, max_area=reference.shape[-2] * reference.shape[-1] * self.vae_scale_factor ** 2)
         if guidance_real > 1 and negative is not None:
             kwargs.update(negative_prompt_embeds=negative["prompt_embeds"],
                           negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"], true_cfg_scale=guidance_real)
@@ -210,6 +240,11 @@ class FluxAdapter(ModelAdapter):
             mask = mask | negative["attention_mask"].bool()
         tokens = (height // 16) * (width // 16)
         return {"joint_attention_kwargs": {"attention_mask": self.joint_attention_mask(mask, tokens)}}
+
+    def reference_pipeline_kwargs(self, image) -> dict:
+        """FluxKontextPipeline's ``image``; without its resize to a preferred Kontext resolution, since training
+        crops references to their target's bucket, and with the output's area (which it otherwise sets to 1024^2)."""
+        return {"image": image, "_auto_resize": False, "max_area": image.width * image.height}
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pack_latents(latents)

@@ -9,7 +9,7 @@ the training loss and the eval loss, so neither keeps its own copy of the noisin
   from the model's own scheduler config, not Flux's for everyone).
 - ``epsilon`` / ``v_prediction``: DDPM, ``t`` an integer timestep; the schedule (betas, optional zero-terminal-SNR
   rescale) is diffusers' ``DDPMScheduler`` built from the model's scheduler config, which owns ``add_noise`` and
-  ``get_velocity``.
+  ``get_velocity``; ``snr_gamma`` weights each sample's loss by min-SNR-gamma.
 
 Timesteps ``t`` are in the objective's own units; a family's adapter turns them into what its transformer takes.
 """
@@ -66,13 +66,32 @@ class Objective(ABC):
         """Whether this run trains at level ``t`` (a two-expert model's expert covers part of the schedule)."""
         return True
 
-    def loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The training loss of a batch: the mean squared error in float32."""
-        return F.mse_loss(pred.float(), target.float())
+    def loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor,
+             weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The training loss of a batch in float32: the squared error, times ``weight`` where given (a loss mask at
+        latent resolution, (B, 1, h, w), broadcast over channels), averaged per sample, times the objective's
+        per-timestep weight (min-SNR), averaged over the batch."""
+        err = (pred.float() - target.float()).pow(2)
+        if weight is not None:
+            err = err * weight.to(err)
+        per_sample = err.flatten(1).mean(1)
+        timestep_weight = self.loss_weights(t)
+        if timestep_weight is not None:
+            per_sample = per_sample * timestep_weight.to(per_sample)
+        return per_sample.mean()
 
-    def per_sample_loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """(batch,) mean squared error per sample (the eval loss reports one level per sample)."""
-        return (pred.float() - target.float()).pow(2).flatten(1).mean(1)
+    def loss_weights(self, t: torch.Tensor) -> torch.Tensor | None:
+        """(batch,) loss weight per timestep, or None for equal weights."""
+        return None
+
+    def per_sample_loss(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor,
+                        weight: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch,) mean squared error per sample, weighted by a loss mask where given, without the per-timestep
+        weight (the eval loss reports one level per sample)."""
+        err = (pred.float() - target.float()).pow(2)
+        if weight is not None:
+            err = err * weight.to(err)
+        return err.flatten(1).mean(1)
 
 
 # a timestep-distilled model's few-step schedule (SimpleTuner's flux_fast_schedule): sigma 1.0 seven times in ten
@@ -154,16 +173,35 @@ class DDPMObjective(Objective):
     """Epsilon or v-prediction on a DDPM schedule (diffusers' ``DDPMScheduler`` does the maths)."""
 
     def __init__(self, prediction_type: str, scheduler_config: Mapping[str, Any] | None = None, *,
-                 rescale_zero_terminal_snr: bool = False):
+                 rescale_zero_terminal_snr: bool = False, snr_gamma: float | None = None):
         from diffusers import DDPMScheduler
 
         if prediction_type not in ("epsilon", "v_prediction"):
             raise ValueError(f"prediction_type: {prediction_type!r} is not a DDPM objective")
         self.name = prediction_type
-        config = {k: v for k, v in dict(scheduler_config or {}).items() if not k.startswith("_")}
+        # the DDPM schedule's own keys only (a model may ship an Euler or DPM scheduler config)
+        keys = set(DDPMScheduler.from_config({}).config)
+        config = {k: v for k, v in dict(scheduler_config or {}).items() if k in keys and not k.startswith("_")}
         config.update(prediction_type=prediction_type, rescale_betas_zero_snr=rescale_zero_terminal_snr)
         self.scheduler = DDPMScheduler.from_config(config)
         self.num_train_timesteps = int(self.scheduler.config.num_train_timesteps)
+        self.snr_gamma = float(snr_gamma) if snr_gamma else None
+
+    def snr(self, t: torch.Tensor) -> torch.Tensor:
+        """Signal-to-noise ratio alpha_bar / (1 - alpha_bar) at integer timesteps ``t`` (0 at a zero-SNR end)."""
+        alpha_bar = self.scheduler.alphas_cumprod.to(torch.float64)[t.long().cpu()]
+        return (alpha_bar / (1 - alpha_bar)).float()
+
+    def loss_weights(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v-prediction (the
+        v loss is already (SNR + 1) times the epsilon loss); 1 where SNR is 0 (the last step of a zero-SNR
+        schedule, where the epsilon weight is undefined)."""
+        if self.snr_gamma is None:
+            return None
+        snr = self.snr(t)
+        divisor = snr + 1 if self.name == "v_prediction" else snr
+        weights = snr.clamp(max=self.snr_gamma) / divisor
+        return torch.where(divisor > 0, weights, torch.ones_like(weights)).to(t.device)
 
     def sample_timesteps(self, batch: int, *, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
         return torch.randint(0, self.num_train_timesteps, (batch,), generator=generator)
@@ -192,5 +230,5 @@ def build_objective(config, scheduler_config: Mapping[str, Any] | None) -> Objec
     name = config.prediction_type or "flow_matching"
     if name == "flow_matching":
         return FlowMatching.from_config(config, scheduler_config or {})
-    return DDPMObjective(name, scheduler_config,
-                         rescale_zero_terminal_snr=bool(config.rescale_betas_zero_snr))
+    return DDPMObjective(name, scheduler_config, rescale_zero_terminal_snr=bool(config.rescale_betas_zero_snr),
+                         snr_gamma=getattr(config, "snr_gamma", None))

@@ -259,3 +259,22 @@ def fast_byte_level_tokenizer(*, bos: str, eos: str, specials=(), max_length: in
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def sentencepiece_model(vocab_size: int = 96) -> bytes:
+    """A small sentencepiece BPE model trained offline on the tiny vocabulary (serialized ModelProto bytes), for
+    tokenizer classes that read a ``tokenizer.model`` file (ChatGLM's)."""
+    import io
+
+    import sentencepiece as spm
+
+    words = _WORDS + ("triangle", "background", "yellow", "purple", "white", "black", "orange")
+    sentences = [" ".join(words[i:] + words[:i]) for i in range(len(words))] + list(_CHARS)
+    model = io.BytesIO()
+    # identity normalisation keeps the model file small and byte-for-byte reproducible
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        character_coverage=1.0, num_threads=1, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        hard_vocab_limit=False, normalization_rule_name="identity",
+    )
+    return model.getvalue()

@@ -15,11 +15,13 @@ webhook events come from the main process only; the other processes wait.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
 import torch
 
-from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_text_cache, latent_key, negative_identity,
-                                    text_key)
-from simpletuner.data.discovery import DatasetError, Sample, discover
+from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
+                                    mask_key, negative_identity, text_key)
+from simpletuner.data.discovery import DatasetError, Sample, discover, load_pixels_at, with_pairs
 from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
 from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
 from simpletuner.evaluation.trackers import Trackers
@@ -59,6 +61,7 @@ class Evaluator:
                                  f"(required by model_family {config.model_family!r})")
         wants_validation = bool(config.validation_steps or config.validation_on_startup)
         self.validating = wants_validation and bool(self.prompts)
+        self._check_references(wants_validation)
         if wants_validation and not self.prompts:
             log.warning("validation_steps is set but there is no validation_prompt or user_prompt_library: "
                         "no validation images will be made")
@@ -81,6 +84,7 @@ class Evaluator:
             if not ds.samples:
                 raise DatasetError(f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
                                    f"(dataset_type eval, {len(ds.skipped)} skipped)")
+            ds.samples = with_pairs(backends, backend, ds.samples)
             self.eval_datasets.append((backend, ds))
         self.eval_every = config.eval_steps_interval or (config.validation_steps if self.eval_datasets else None)
         if config.eval_steps_interval and not self.eval_datasets:
@@ -91,6 +95,7 @@ class Evaluator:
         self._identities: tuple[str, str] | None = None
         self._eval_items: list[EvalItem] | None = None
         self._embeddings: dict[str, dict[str, torch.Tensor]] = {}
+        self._references: dict[tuple[str, int, int], torch.Tensor] = {}
         self._runner: ValidationRunner | None = None
         self._scorer = None
         self._last_validated: int | None = None
@@ -107,6 +112,22 @@ class Evaluator:
         weights)."""
         self.ema = ema
         self.optimizer = optimizer
+
+    def _check_references(self, wants_validation: bool) -> None:
+        """An edit model validates by editing a reference image per prompt: each must name an existing one."""
+        if not wants_validation:
+            return
+        for item in self.prompts:
+            field = ("validation_reference_image" if item.nickname == "validation"
+                     else f"user_prompt_library[{item.nickname!r}].reference_image")
+            if self.adapter.references and not item.reference_image:
+                raise ValueError(f"{field}: model_flavour {self.config.model_flavour!r} edits a reference image; "
+                                 f"name the image prompt {item.prompt!r} edits")
+            if self.adapter.references and not Path(item.reference_image).expanduser().is_file():
+                raise ValueError(f"{field}: file {item.reference_image!r} does not exist")
+            if item.reference_image and not self.adapter.references:
+                log.warning("%s: model_family %s flavour %r takes no reference image; ignored", field,
+                            self.config.model_family, self.config.model_flavour)
 
     # ---- caches -----------------------------------------------------------------------------------------
     def captions(self) -> list[str]:
@@ -126,19 +147,47 @@ class Evaluator:
     def eval_samples(self) -> list[Sample]:
         return [s for _, ds in self.eval_datasets for s in ds.samples] if self.evaluating else []
 
+    def _cache_of(self, dataset_id: str) -> TensorCache:
+        return TensorCache(next(b.cache_dir_vae for b in self.backends.datasets if b.id == dataset_id))
+
     def fill_caches(self, show_progress: bool = True) -> tuple[int, int]:
-        """Encode what is not cached yet (eval latents, prompt embeddings); returns (latents, captions) encoded."""
+        """Encode what is not cached yet (eval latents and their references and masks, prompt embeddings, the
+        validation reference images); returns (latents, captions) encoded."""
         latents = 0
         if self.evaluating:
             by_cache: dict[str, list[Sample]] = {}
+            masks: dict[str, list[Sample]] = {}
             for backend, ds in self.eval_datasets:
                 by_cache.setdefault(backend.cache_dir_vae, []).extend(ds.samples)
+                for s in ds.samples:
+                    if s.conditioning is not None:
+                        by_cache.setdefault(str(self._cache_of(s.conditioning.dataset_id).folder), []).append(
+                            s.conditioning)
+                    if s.mask is not None:
+                        masks.setdefault(str(self._cache_of(s.mask.dataset_id).folder), []).append(s.mask)
             latents = fill_latent_cache(by_cache, self.adapter, self.config.vae_batch_size, show_progress=show_progress)
+            if masks:  # the scale factor reads the VAE's config: only asked when there are masks
+                fill_mask_cache(masks, self.adapter.vae_scale_factor, show_progress=show_progress)
         batch = self.backends.text_embeds.write_batch_size
         captions = fill_text_cache(self.captions(), self.adapter, self.text_cache, batch, show_progress=show_progress)
         captions += fill_text_cache(self.negative_prompts(), self.adapter, self.text_cache, batch,
                                     show_progress=show_progress, negative=True)
+        if self.validating and self.adapter.references:
+            for item in self.prompts:
+                for width, height in self.resolutions:
+                    self.reference_latents(item, width, height)
         return latents, captions
+
+    def reference_latents(self, item, width: int, height: int) -> torch.Tensor | None:
+        """The latents (C, h, w) of the reference image ``item`` edits, cropped to width x height as training
+        crops its references (encoded once per run, while the VAE is loaded)."""
+        if not self.adapter.references or not item.reference_image:
+            return None
+        key = (item.reference_image, width, height)
+        if key not in self._references:
+            pixels = load_pixels_at(Path(item.reference_image).expanduser(), width, height)
+            self._references[key] = self.adapter.encode_images(pixels.unsqueeze(0))[0]
+        return self._references[key]
 
     def _identity(self) -> tuple[str, str]:
         if self._identities is None:
@@ -171,8 +220,17 @@ class Evaluator:
                 for s in ds.samples:
                     key = latent_key(s, vae_identity)
                     entry = cache.load(key)
-                    extras = {k: v for k, v in entry.items() if k != "latents"}  # e.g. Wan I2V's first frame
-                    items.append(EvalItem(key, entry["latents"], {**self.prompt_embedding(s.caption), **extras}))
+                    cond = dict(self.prompt_embedding(s.caption))
+                    cond.update({k: v for k, v in entry.items() if k != "latents"})  # e.g. Wan I2V's first frame
+                    cond.update({k: v[0] for k, v in self.adapter.sample_conditioning([s]).items()})
+                    mask = None
+                    if s.conditioning is not None:
+                        ref = self._cache_of(s.conditioning.dataset_id)
+                        cond["reference_latents"] = ref.load(latent_key(s.conditioning, vae_identity))["latents"]
+                    if s.mask is not None:
+                        mask = self._cache_of(s.mask.dataset_id).load(
+                            mask_key(s.mask, self.adapter.vae_scale_factor))["mask"]
+                    items.append(EvalItem(key, entry["latents"], cond, mask))
             self._eval_items = items
         return self._eval_items
 
@@ -246,7 +304,7 @@ class Evaluator:
         mode = self.config.ema_validation if self.ema is not None else "none"
         images = [] if mode == "ema_only" else self.runner().run(model, self.prompts, self.resolutions, step)
         if mode in ("ema_only", "comparison"):
-            ema_prompts = [ValidationPrompt(f"{p.nickname}_ema", p.prompt) for p in self.prompts]
+            ema_prompts = [ValidationPrompt(f"{p.nickname}_ema", p.prompt, p.reference_image) for p in self.prompts]
             with self.ema.swapped_in():
                 images += self.runner().run(model, ema_prompts, self.resolutions, step)
         kind = "video(s)" if self.adapter.is_video else "image(s)"
@@ -281,7 +339,7 @@ class Evaluator:
             self._runner = ValidationRunner(self.config, self.adapter, self._validation_embedding,
                                             negative_embeddings=self.negative_embedding, preview_decoder=decoder,
                                             on_preview=self._send_preview, on_image=self._send_image,
-                                            autocast=self.accelerator.autocast)
+                                            autocast=self.accelerator.autocast, references=self.reference_latents)
         return self._runner
 
     def _send_image(self, image: ValidationImage, step: int) -> None:

@@ -1,9 +1,11 @@
 """The training recipe. Read top to bottom: set up, cache, build the model, loop, save.
 
-One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache, draw noise and
-timesteps, noise the latents, predict with the family's adapter, take the loss against the objective's target
-(flow-matching velocity, epsilon or v), backward, clip, step, report, and every ``checkpointing_steps`` write a
-checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one ``RunState``.
+One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache (and, where the
+dataset pairs them, its reference latents and loss masks), draw noise and timesteps, noise the latents, predict with
+the family's adapter, take the loss against the objective's target (flow-matching velocity, epsilon or v; the base
+model's own prediction for regularisation data), weighted by the mask, backward, clip, step, report, and every
+``checkpointing_steps`` write a checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one
+``RunState``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import signal
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +26,9 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
-from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
-from simpletuner.data.discovery import DatasetError, discover
+from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
+                                    mask_key, text_key)
+from simpletuner.data.discovery import DatasetError, discover, with_pairs
 from simpletuner.data.sampler import BucketBatchSampler
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
@@ -66,13 +69,14 @@ class TrainResult:
 @dataclass
 class TrainData:
     sampler: BucketBatchSampler
-    vae_caches: dict[str, TensorCache]  # dataset id -> latent cache
+    vae_caches: dict[str, TensorCache]  # dataset id -> its cache (latents; references' latents; masks)
     text_cache: TensorCache
     vae_identity: str
     text_identity: str
     latents_encoded: int = 0
     captions_encoded: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # dataset id -> files skipped (unreadable, too short...)
+    vae_scale_factor: int = 8  # mask cache keys
 
 
 class _StopFlag:
@@ -114,7 +118,7 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if config.base_model_default_dtype == "bf16" else torch.float32
 
 
-def preflight(config, adapter, device: torch.device | None = None) -> None:
+def preflight(config, adapter, device: torch.device | None = None, backends=None) -> None:
     """Checks that need the device, the optional packages, or the model's shape or schedule, done before anything
     is cached or written."""
     from simpletuner.config import ConfigError
@@ -129,6 +133,12 @@ def preflight(config, adapter, device: torch.device | None = None) -> None:
 
         lycoris_preset(adapter, config.lycoris_config.apply_preset)
     adapter.objective  # reads the model's scheduler config: a missing or bad one fails here, not mid-run
+    if backends is not None:
+        from simpletuner.config.data import reference_errors
+
+        errors = reference_errors(backends, config)
+        if errors:
+            raise ConfigError(errors, backends.source)
     if config.tread_config is not None:
         from simpletuner.config import resolve_tread_routes
 
@@ -136,8 +146,9 @@ def preflight(config, adapter, device: torch.device | None = None) -> None:
 
 
 def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
-    """Discover samples, fill the latent and text caches (main process first), and build the bucket sampler from
-    the samples that encoded (a file that cannot be decoded is skipped, named and counted, never fatal mid-run)."""
+    """Discover samples (with their paired reference images and loss masks), fill the latent, mask and text caches
+    (main process first), and build the bucket sampler from the samples that encoded (a file that cannot be decoded
+    is skipped, named and counted, never fatal mid-run)."""
     training_backends = [b for b in backends.datasets if b.dataset_type in ("image", "video")]
     datasets = [discover(b, config, adapter.resolution_multiple, temporal_compression=adapter.temporal_compression)
                 for b in training_backends]
@@ -149,18 +160,28 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                 f"{backend.instance_data_dir} ({len(ds.skipped)} skipped). Check instance_data_dir and "
                 f"{'the video options' if adapter.is_video else 'minimum_image_size'}."
             )
+        ds.samples = with_pairs(backends, backend, ds.samples)  # reference images and loss masks, by path
 
-    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in training_backends}
+    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
+    latent_sets: dict[str, list] = {}
+    mask_sets: dict[str, list] = {}
+    for b, ds in zip(training_backends, datasets):
+        latent_sets.setdefault(b.cache_dir_vae, []).extend(ds.samples)
+        for s in ds.samples:
+            if s.conditioning is not None:
+                latent_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
+            if s.mask is not None:
+                mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
     unreadable: list = []
     with accelerator.main_process_first():
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
-        latents_encoded = fill_latent_cache(
-            {b.cache_dir_vae: ds.samples for b, ds in zip(training_backends, datasets)},
-            adapter, config.vae_batch_size, show_progress=show, unreadable=unreadable,
-        )
+        latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show,
+                                            unreadable=unreadable)
+        if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
+            fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         _drop_unreadable(datasets, unreadable)
         captions = [s.caption for ds in datasets for s in ds.samples]
         if config.caption_dropout_probability:
@@ -181,7 +202,8 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
             raise DatasetError(f"datasets[{backend.id}]: no file in {backend.instance_data_dir} could be decoded "
                                f"({len(ds.skipped)} skipped)")
     sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
-    data = TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded)
+    data = TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded,
+                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8)
     data.skipped = {ds.dataset_id: len(ds.skipped) for ds in datasets}
     return data
 
@@ -275,22 +297,40 @@ def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[
 # ---------------------------------------------------------------------------------------------------------------
 # one batch
 # ---------------------------------------------------------------------------------------------------------------
-def load_batch(batch, data: TrainData, config, generator: torch.Generator, device):
-    entries = [data.vae_caches[s.dataset_id].load(latent_key(s, data.vae_identity)) for s in batch]
+def load_batch(batch, data: TrainData, config, generator: torch.Generator, device, adapter):
+    """(latents, conditioning, is_regularisation, mask) of a batch, from the caches: the conditioning holds the text
+    embeddings, what the latent cache keeps beside the latents (Wan I2V's first frame), the family's per-sample
+    conditioning and, where paired, ``reference_latents``; the mask (B, 1, h, w) is None unless a sample has one
+    (samples without one weigh every latent fully)."""
+    def cached(s, key):
+        return data.vae_caches[s.dataset_id].load(key)
+
+    entries = [cached(s, latent_key(s, data.vae_identity)) for s in batch]
     latents = torch.stack([e["latents"] for e in entries])
     captions = [s.caption for s in batch]
     if config.caption_dropout_probability:
         drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-    text = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
+    cond = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
                                   for c in captions])
     # conditioning cached beside the latents (e.g. Wan I2V's first frame) travels with the text embeddings
-    text.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
+    cond.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
+    cond.update(adapter.sample_conditioning(batch))
+    if batch[0].conditioning is not None:  # every sample of a run with references has one (checked by the config)
+        cond["reference_latents"] = torch.stack([
+            cached(s.conditioning, latent_key(s.conditioning, data.vae_identity))["latents"] for s in batch])
+    mask = None
+    if any(s.mask is not None for s in batch):
+        mask = torch.stack([cached(s.mask, mask_key(s.mask, data.vae_scale_factor))["mask"] if s.mask is not None
+                            else torch.ones(1, *latents.shape[-2:]) for s in batch]).to(device)
     is_reg = torch.tensor([s.is_regularisation for s in batch])
-    return latents.to(device), {k: v.to(device) for k, v in text.items()}, is_reg
+    return latents.to(device), {k: v.to(device) for k, v in cond.items()}, is_reg, mask
 
 
-def compute_loss(config, adapter, transformer, latents, text, is_reg, generator):
+def compute_loss(config, adapter, transformer, latents, text, is_reg, generator, *, mask=None):
+    """The batch's training loss. ``text`` is the batch's conditioning (``load_batch``); ``mask`` weights the loss
+    per latent (and TREAD keeps the tokens under it); regularisation samples (LoRA runs) are trained towards the
+    base model's own prediction."""
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=generator).to(latents)
     t = objective.sample_timesteps(latents.shape[0], generator=generator,
@@ -302,10 +342,13 @@ def compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
         base = _unwrap(transformer)
         with torch.no_grad(), _adapter_off(base):
             base_pred = adapter.predict(base, noisy, t, text).float()
-        mask = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
-        target = torch.where(mask, base_pred, target)
-    pred = adapter.predict(transformer, noisy, t, text)
-    return objective.loss(pred, target, t)
+        selected = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
+        target = torch.where(selected, base_pred, target)
+    handle = getattr(_unwrap(transformer), "_tread_handle", None)
+    keep = adapter.image_token_mask(mask > 0, text) if mask is not None and handle is not None else None
+    with handle.force_keep(keep) if keep is not None else nullcontext():
+        pred = adapter.predict(transformer, noisy, t, text)
+    return objective.loss(pred, target, t, weight=mask)
 
 
 @contextmanager
@@ -363,8 +406,9 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
 
     # ---- data and caches ----
     adapter = create_adapter(config, device=accelerator.device,
-                             weight_dtype=weight_dtype_for(config, accelerator.device))
-    preflight(config, adapter, accelerator.device)
+                             weight_dtype=weight_dtype_for(config, accelerator.device),
+                             references=backends.uses_references)
+    preflight(config, adapter, accelerator.device, backends)
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
     data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
@@ -433,11 +477,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
             while state.batch_in_epoch < len(mine) and state.global_step < max_steps:
                 if stop.stop:
                     raise TrainingInterrupted(f"stopped by signal at step {state.global_step}")
-                latents, text, is_reg = load_batch(mine[state.batch_in_epoch], data, config, generator,
-                                                   accelerator.device)
+                latents, cond, is_reg, mask = load_batch(mine[state.batch_in_epoch], data, config, generator,
+                                                         accelerator.device, adapter)
                 state.batch_in_epoch += 1
                 with accelerator.accumulate(transformer):
-                    loss = compute_loss(config, adapter, transformer, latents, text, is_reg, generator)
+                    loss = compute_loss(config, adapter, transformer, latents, cond, is_reg, generator, mask=mask)
                     accelerator.backward(loss)
                     accumulated += (accelerator.gather(loss.detach()).mean().item()
                                     / config.gradient_accumulation_steps)

@@ -90,8 +90,8 @@ BAD_ENTRIES = [
     pytest.param(lambda e: e[0].update(dataset_type="video", video={"clip_mode": "random"}),
                  "datasets[pics].video.clip_mode", "single_beginning, single_middle, multiple_overlapping",
                  id="video-clip-mode"),
-    pytest.param(lambda e: e[0].update(dataset_type="conditioning"), "datasets[pics].dataset_type",
-                 "not supported yet", id="conditioning"),
+    pytest.param(lambda e: e[0].update(dataset_type="image_embeds"), "datasets[pics].dataset_type",
+                 "not supported yet", id="image_embeds"),
     pytest.param(lambda e: e[0].update(caption_strategy="parquet"), "datasets[pics].caption_strategy",
                  "not supported yet", id="parquet"),
     pytest.param(lambda e: e[0].update(caption_strategy="instanceprompt"), "datasets[pics].instance_prompt",
@@ -156,3 +156,72 @@ def test_check_paths_warns_about_missing_and_empty_folders(tmp_path, make_backen
     assert "is empty" in check_paths(backends, cwd=tmp_path)[0]
     (tmp_path / "datasets" / "pics" / "a.png").write_bytes(b"")
     assert check_paths(backends, cwd=tmp_path) == []
+
+
+def _paired(make_backends, pairs, *extra):
+    entries = make_backends(conditioning_data=pairs)
+    entries[1:1] = [{"id": "refs", "dataset_type": "conditioning", "instance_data_dir": "datasets/refs"},
+                    {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
+                     "instance_data_dir": "datasets/masks"}, *extra]
+    return entries
+
+
+def test_conditioning_and_mask_datasets_pair_by_id(make_backends):
+    backends = parse_data_backends(_paired(make_backends, ["refs", "masks"]))
+    pics = backends.image_datasets[0]
+    assert backends.paired(pics, "conditioning").id == "refs" and backends.paired(pics, "mask").id == "masks"
+    assert [d.dataset_type for d in backends.datasets] == ["image", "conditioning", "mask"]  # SimpleTuner's spelling
+    assert backends.uses_references and backends.warnings == []
+    only_masks = parse_data_backends(_paired(make_backends, "masks"))  # one id may be a plain string
+    assert only_masks.image_datasets[0].conditioning_data == ["masks"] and not only_masks.uses_references
+    assert only_masks.warnings == ["datasets[refs]: a conditioning dataset that no dataset names in its "
+                                   "conditioning_data; ignored"]
+
+
+@pytest.mark.parametrize("pairs,extra,path,message", [
+    (["nope"], [], "datasets[pics].conditioning_data", "'nope' is not a dataset id (conditioning and mask datasets: "
+                                                       "refs, masks)"),
+    (["old"], [{"id": "old", "dataset_type": "conditioning", "instance_data_dir": "x", "disabled": True}],
+     "datasets[pics].conditioning_data", "'old' is disabled"),
+    (["more"], [{"id": "more", "instance_data_dir": "x"}], "datasets[pics].conditioning_data",
+     "'more' is a dataset_type 'image' dataset; pair conditioning or mask datasets"),
+    (["refs", "refs2"], [{"id": "refs2", "dataset_type": "conditioning", "instance_data_dir": "x"}],
+     "datasets[pics].conditioning_data", "'refs' and 'refs2' are both conditioning datasets"),
+    (["refs"], [{"id": "loose", "dataset_type": "conditioning", "conditioning_type": "reference_loose",
+                 "instance_data_dir": "x"}], "datasets[loose].conditioning_type", "'reference_loose' is not supported yet"),
+    (["refs"], [{"id": "back", "dataset_type": "conditioning", "conditioning_data": "refs", "instance_data_dir": "x"}],
+     "datasets[back].conditioning_data", "a conditioning dataset is paired to an image dataset"),
+])
+def test_conditioning_data_errors_name_the_dataset(make_backends, pairs, extra, path, message):
+    errors = errors_of(_paired(make_backends, pairs, *extra))
+    assert any(e.path == path and message in e.message for e in errors), errors
+
+
+def test_reference_images_are_checked_against_the_model(make_backends):
+    def check(family, flavour, pairs, eval_pairs=None):
+        config = load_train_config({"model_family": family, "model_flavour": flavour}).config
+        entries = _paired(make_backends, pairs)
+        if eval_pairs is not None:
+            entries.insert(1, {"id": "held-out", "dataset_type": "eval", "instance_data_dir": "datasets/eval",
+                               "conditioning_data": eval_pairs})
+        try:
+            return load_data_backends(entries, config=config)
+        except ConfigError as exc:
+            return [f"{e.path}: {e.message}" for e in exc.errors]
+
+    assert check("sdxl", "base-1.0", ["refs"]) == [
+        "datasets[pics].conditioning_data: model_family sdxl flavour 'base-1.0' does not take reference images"]
+    assert check("flux", "dev", ["refs"]) == [
+        "datasets[pics].conditioning_data: model_family flux flavour 'dev' does not take reference images; "
+        "model_flavour kontext does"]
+    assert check("flux", "kontext", ["masks"]) == [
+        "datasets[pics].conditioning_data: model_flavour 'kontext' is trained on (reference, edit) pairs: name the "
+        "conditioning dataset holding this dataset's reference images"]
+    assert check("flux", "kontext", ["refs"]).uses_references
+    assert check("flux", "tiny", ["refs"]).uses_references and not check("flux", "tiny", ["masks"]).uses_references
+    assert check("sdxl", "base-1.0", ["masks"]).image_datasets  # masks go with any model
+    # an edit run's eval data needs its references too
+    assert check("flux", "kontext", ["refs"], eval_pairs=[]) == [
+        "datasets[held-out].conditioning_data: model_flavour 'kontext' is trained on (reference, edit) pairs: name "
+        "the conditioning dataset holding this dataset's reference images"]
+    assert check("flux", "kontext", ["refs"], eval_pairs=["refs"]).uses_references

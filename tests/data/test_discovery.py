@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from PIL import Image
 
 from simpletuner.data.discovery import DatasetError, bucket_size, discover, load_pixels, read_caption
@@ -86,3 +89,61 @@ def test_oversized_images_are_downsampled_before_cropping(tmp_path):
     b = backend(tmp_path, crop=True, maximum_image_size=1024, target_downsample_size=256)
     sample = discover(b, DEFAULTS, 16).samples[0]
     assert sample.resize_to == (256, 256) and sample.target_size == (128, 128)
+
+
+def _pairable(tmp_path, names, partner_names, size=(96, 64), partner_size=None):
+    from simpletuner.config import load_data_backends
+
+    for folder, files, dims in (("images", names, size), ("refs", partner_names, partner_size or size)):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        for name in files:
+            (tmp_path / folder / name).parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", dims, (200, 10, 10)).save(tmp_path / folder / name)
+    return load_data_backends([
+        {"id": "images", "instance_data_dir": str(tmp_path / "images"), "conditioning_data": "refs", "crop": True,
+         "crop_style": "random", "resolution": 48, "resolution_type": "pixel"},
+        {"id": "refs", "dataset_type": "conditioning", "instance_data_dir": str(tmp_path / "refs")},
+        {"id": "text", "dataset_type": "text_embeds"}])
+
+
+def test_conditioning_files_pair_by_relative_path_and_share_the_crop(tmp_path):
+    from simpletuner.data.discovery import with_pairs
+
+    backends = _pairable(tmp_path, ["a.png", "sub/b.jpg", "c.png"], ["a.png", "sub/b.png", "c.png", "sub/c.png"])
+    image = backends.image_datasets[0]
+    samples = with_pairs(backends, image, discover(image, DEFAULTS, 16).samples)
+    by_name = {Path(s.path).name: s for s in samples}
+    assert Path(by_name["a.png"].conditioning.path) == (tmp_path / "refs/a.png").resolve()
+    assert Path(by_name["b.jpg"].conditioning.path) == (tmp_path / "refs/sub/b.png").resolve()  # same name, .png
+    assert Path(by_name["c.png"].conditioning.path) == (tmp_path / "refs/c.png").resolve()  # not sub/c.png
+    for s in samples:
+        ref = s.conditioning
+        assert ref.dataset_id == "refs" and ref.mask is None and s.mask is None
+        assert (ref.target_size, ref.resize_to, ref.crop_box) == (s.target_size, s.resize_to, s.crop_box)
+    # identical files, identically prepared, give identical pixels
+    assert torch.equal(load_pixels(by_name["a.png"]), load_pixels(by_name["a.png"].conditioning))
+
+
+def test_an_image_without_its_pair_is_an_error_naming_both_datasets(tmp_path):
+    from simpletuner.data.discovery import with_pairs
+
+    backends = _pairable(tmp_path, ["a.png", "b.png"], ["a.png"])
+    image = backends.image_datasets[0]
+    with pytest.raises(DatasetError, match=r"datasets\[images\]\.conditioning_data: 1 of 2 image\(s\) have no file in "
+                                           r"datasets\[refs\] .*\['b.png'\]"):
+        with_pairs(backends, image, discover(image, DEFAULTS, 16).samples)
+
+
+def test_a_mask_file_becomes_latent_weights_where_it_is_white(tmp_path):
+    from simpletuner.data.discovery import Sample, load_mask
+
+    mask = Image.new("L", (64, 32), 0)
+    mask.paste(255, (16, 8, 36, 24))  # white over pixels x 16..35, y 8..23
+    mask.save(tmp_path / "m.png")
+    sample = Sample("masks", str(tmp_path / "m.png"), "", (64, 32), (64, 32), (0, 0, 64, 32))
+    weights = load_mask(sample, (4, 8))  # one latent per 8x8 pixels
+    assert weights.shape == (1, 4, 8)
+    assert torch.equal(weights[0, :, :2], torch.zeros(4, 2)) and torch.equal(weights[0, :, 5:], torch.zeros(4, 3))
+    assert torch.equal(weights[0, 0], torch.zeros(8)) and torch.equal(weights[0, 3], torch.zeros(8))
+    assert torch.equal(weights[0, 1:3, 2:4], torch.ones(2, 2))
+    assert torch.allclose(weights[0, 1:3, 4], torch.full((2,), 0.5))  # half of that latent's pixels are white

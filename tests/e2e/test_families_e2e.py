@@ -1,6 +1,7 @@
-"""Every family's quickstart example (``config/examples/<family>/``) trained by ``simpletuner train`` on its tiny
-flavour in a real subprocess: the loss on a fixed batch of the training images falls, a run resumed from its
-checkpoint continues bit for bit, and the exported LoRA changes what the family's pipeline generates.
+"""Every quickstart example (``config/examples/<name>/``: one per family, named after it, plus its edit flavours'
+such as ``kontext``) trained by ``simpletuner train`` on its family's tiny flavour in a real subprocess: the loss on a
+fixed batch of the training images falls, a run resumed from its checkpoint continues bit for bit, and the exported
+LoRA changes what the family's pipeline generates (from the batch's reference image, for an edit model).
 
 The examples are meant for real weights on a GPU; the only overrides are the ones the tiny flavour on a CPU needs:
 ``model_flavour=tiny``, fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps;
@@ -41,39 +42,58 @@ def logged_losses(output: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, (output / "training_log.jsonl").read_text().splitlines())}
 
 
-def example_in(work: Path, family: str, resolution: int, frames: int | None = None) -> Path:
-    """A copy of the example, as a user would run it from a checkout (relative paths), at ``resolution`` (and clips
-    of ``frames`` frames for a video family)."""
-    example = REPO / "config" / "examples" / family
-    assert (example / "config.json").is_file() and (example / "multidatabackend.json").is_file(), \
-        f"config/examples/{family}/ needs config.json and multidatabackend.json"
-    for name in ("sample", "sample_video"):
-        shutil.copytree(REPO / "datasets" / name, work / "datasets" / name)
-    target = work / "config" / "examples" / family
-    shutil.copytree(example, target)
+EXAMPLES = REPO / "config" / "examples"
+
+
+def example_family(name: str) -> str:
+    return json.loads((EXAMPLES / name / "config.json").read_text())["--model_family"]
+
+
+def test_every_family_and_edit_flavour_has_an_example():
+    from simpletuner.config import get_family
+
+    examples = {p.name for p in EXAMPLES.iterdir() if p.is_dir()}
+    assert set(family_names()) <= examples
+    for name in examples:
+        assert (EXAMPLES / name / "config.json").is_file() and (EXAMPLES / name / "multidatabackend.json").is_file()
+    flavours = {json.loads((EXAMPLES / n / "config.json").read_text()).get("--model_flavour") for n in examples}
+    assert all(f in flavours for name in family_names() for f in get_family(name).reference_flavours)
+
+
+def example_in(work: Path, name: str, resolution: int, frames: int | None = None) -> Path:
+    """A copy of the example and the datasets it reads, as a user would run it from a checkout (relative paths),
+    at ``resolution`` (and clips of ``frames`` frames for a video family)."""
+    target = work / "config" / "examples" / name
+    shutil.copytree(EXAMPLES / name, target)
     backends = json.loads((target / "multidatabackend.json").read_text())
     for entry in backends:
+        folder = entry.get("instance_data_dir")
+        if folder:
+            top = Path(*Path(folder).parts[:2])  # datasets/<name>
+            if not (work / top).exists():
+                shutil.copytree(REPO / top, work / top)
         if entry.get("dataset_type", "image") in ("image", "video", "eval"):
             entry.update(resolution=resolution, resolution_type="pixel", repeats=0)
         if frames is not None and entry.get("dataset_type", "image") != "text_embeds":
             assert entry.get("dataset_type") != "image" or entry.get("video"), \
-                f"config/examples/{family}: a video family's example should train on a video dataset"
+                f"config/examples/{name}: a video family's example should train on a video dataset"
             entry["video"] = {**entry.get("video", {}), "num_frames": frames, "min_frames": frames, "frame_rate": 8}
     (target / "multidatabackend.json").write_text(json.dumps(backends, indent=2))
     return target / "config.json"
 
 
-@pytest.mark.parametrize("family", family_names())
-def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()))
+def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monkeypatch):
     from simpletuner.config import load_train_config
     from simpletuner.models.base import TextEmbedding
     from simpletuner.models.registry import get_adapter_class
 
+    family = example_family(example)
     adapter_cls = get_adapter_class(family)
     size = 4 * adapter_cls.resolution_multiple
     video = get_family(family).modality == "video"
     frames = adapter_cls.temporal_compression + 1 if video else None  # two latent frames
-    config = example_in(tmp_path, family, size, frames)
+    config = example_in(tmp_path, example, size, frames)
     common = ["model_flavour=tiny", "mixed_precision=no", "lr_warmup_steps=0", "learning_rate=5e-3",
               f"max_train_steps={STEPS}", f"checkpointing_steps={RESUME_AT}", "checkpoints_total_limit=",
               "resume_from_checkpoint=", f"validation_resolution={size}", "validation_num_inference_steps=2",
@@ -116,17 +136,18 @@ def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monke
     assert result.losses == [full[s] for s in range(RESUME_AT + 1, STEPS + 1)]
     assert result.latents_encoded == 0 and result.captions_encoded == 0  # the caches were warm
 
-    # the exported LoRA, loaded into the family's pipeline as users load it
-    adapter = adapter_cls(cfg)
-    pipe = adapter.pipeline_class.from_pretrained(adapter.ensure_tiny_checkpoint())
+    # the exported LoRA, loaded into the family's pipeline (its edit pipeline for an edit model) as users load it
+    adapter = adapter_cls(cfg, references=backends.uses_references)
+    pipe = adapter.run_pipeline_class.from_pretrained(adapter.ensure_tiny_checkpoint())
     pipe.set_progress_bar_config(disable=True)
     denoiser = getattr(pipe, adapter.denoiser_subfolder).eval()
 
-    # a fixed batch of the training images, fixed noise, fixed timesteps
-    from simpletuner.data.discovery import discover, load_pixels
+    # a fixed batch of the training images (with their references), fixed noise, fixed timesteps
+    from simpletuner.data.discovery import discover, load_pixels, with_pairs
 
-    samples = discover(backends.datasets[0], cfg, adapter.resolution_multiple,
-                       temporal_compression=adapter.temporal_compression).samples
+    dataset = backends.image_datasets[0]
+    samples = with_pairs(backends, dataset, discover(dataset, cfg, adapter.resolution_multiple,
+                                                     temporal_compression=adapter.temporal_compression).samples)
     by_size: dict = {}
     for s in samples:
         by_size.setdefault(s.target_size, []).append(s)
@@ -134,6 +155,9 @@ def test_example_trains_resumes_and_changes_the_pipeline(family, tmp_path, monke
 
     latents = adapter.encode_images(torch.stack([load_pixels(s) for s in batch]))
     text = TextEmbedding.collate(adapter.encode_prompts([s.caption for s in batch]))
+    text.update(adapter.sample_conditioning(batch))
+    if adapter.references:
+        text["reference_latents"] = adapter.encode_images(torch.stack([load_pixels(s.conditioning) for s in batch]))
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
     levels = objective.eval_timesteps()

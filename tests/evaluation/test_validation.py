@@ -125,3 +125,38 @@ def test_preview_latents_match_the_pipeline_decode_path(tiny_adapter):
     assert type(decoder).__name__ == "AutoencoderTiny"
     assert decoder.decode(expected).sample.shape == (1, 3, 32, 32)
 
+
+
+def test_an_edit_model_validates_by_editing_each_prompts_reference(tiny_transformer, tmp_path, monkeypatch):
+    """With references, each prompt's image is the edit pipeline's edit of that prompt's reference image, as
+    FluxKontextPipeline makes it from the image file itself."""
+    from PIL import Image
+
+    from simpletuner.data.discovery import load_pixels_at
+    from simpletuner.models.flux import FluxAdapter
+    from tests.conftest import REPO
+
+    adapter = FluxAdapter(flux_config(), references=True)
+    folder = REPO / "datasets" / "edit" / "reference"
+    names = ("00_circle.png", "01_square.png")
+    latents = {name: adapter.encode_images(load_pixels_at(folder / name, 32, 32).unsqueeze(0))[0] for name in names}
+    config = flux_config(output_dir=str(tmp_path), validation_num_inference_steps=2, validation_seed=7)
+    runner = ValidationRunner(config, adapter, lambda p: adapter.encode_prompts([p])[0].tensors,
+                              references=lambda item, w, h: latents[item.reference_image])
+    handed = []
+    kwargs_of = adapter.validation_pipeline_kwargs
+    monkeypatch.setattr(adapter, "validation_pipeline_kwargs",
+                        lambda text, *a, **k: handed.append(text["reference_latents"]) or kwargs_of(text, *a, **k))
+    images = runner.run(tiny_transformer, [ValidationPrompt(n[:2], "make it red", n) for n in names], [(32, 32)],
+                        step=0)
+    assert [torch.equal(h[0], latents[n]) for h, n in zip(handed, names)] == [True, True]
+
+    pipe = adapter.build_pipeline(tiny_transformer)
+    pipe.set_progress_bar_config(disable=True)
+    for image, name in zip(images, names):
+        reference = Image.open(folder / name).convert("RGB").resize((32, 32), Image.Resampling.LANCZOS)
+        expected = pipe(prompt="make it red", height=32, width=32, num_inference_steps=2, max_sequence_length=64,
+                        generator=torch.Generator().manual_seed(7), guidance_scale=config.validation_guidance,
+                        **adapter.reference_pipeline_kwargs(reference)).images[0]
+        # the pipeline encodes the file itself (float rounding can move a pixel by one level)
+        assert np.abs(np.asarray(image.image).astype(int) - np.asarray(expected).astype(int)).max() <= 1

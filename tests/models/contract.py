@@ -15,6 +15,12 @@ checkpoint through the family's own diffusers pipeline:
 - cache identities change when an encoder changes, and only then;
 - a declared TREAD layout routes a subset of the image tokens and restores the full sequence;
 - the eval loss is the objective's and is the same every time.
+
+``EditFlavourContract`` runs over every flavour the table lists in a family's ``reference_flavours`` (an edit model:
+Flux Kontext, ...), on the family's tiny weights loaded as that flavour: the prediction with a reference image equals
+the edit pipeline's, given the encoded reference or the image itself; it depends on the reference; a LoRA trained on
+(reference, edit) pairs through the real trainer loads into the edit pipeline and reproduces the trained model's
+prediction for each reference; TREAD routes the target and reference tokens; the eval loss with references repeats.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import shutil
 import pytest
 import torch
 
-from simpletuner.config import get_family, load_data_backends, load_train_config
+from simpletuner.config import family_names, get_family, load_data_backends, load_train_config
 from simpletuner.config.families import tiny_flavours
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import get_adapter_class
@@ -85,18 +91,14 @@ def _capture_scheduler_steps(pipe):
     return captured
 
 
-class FamilyContract:
-    # ---- fixtures (class-scoped: one adapter and transformer per family) ------------------------------------
-    @pytest.fixture(scope="class")
-    def flavour(self):
-        return "tiny"
+def edit_cases() -> list[tuple[str, str]]:
+    """(family, flavour) of every edit flavour in the family table."""
+    return [(name, flavour) for name in family_names() for flavour in get_family(name).reference_flavours]
 
-    @pytest.fixture(scope="class")
-    def adapter(self, family, flavour, tiny_dir):
-        adapter = get_adapter_class(family)(family_config(family, model_flavour=flavour))
-        adapter.load_vae()
-        adapter.load_text_encoders()
-        return adapter
+
+class _Fixtures:
+    """Class-scoped fixtures over an ``adapter`` fixture: its transformer, a prompt's embeddings, latents."""
+
 
     @pytest.fixture(scope="class")
     def transformer(self, adapter):
@@ -117,6 +119,20 @@ class FamilyContract:
     def latents(self, adapter, cache_entry):
         shape = (1, *cache_entry["latents"].shape)  # the family's latent layout
         return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+class FamilyContract(_Fixtures):
+    # ---- fixtures (class-scoped: one adapter and transformer per family) ------------------------------------
+    @pytest.fixture(scope="class")
+    def flavour(self):
+        return "tiny"
+
+    @pytest.fixture(scope="class")
+    def adapter(self, family, flavour, tiny_dir):
+        adapter = get_adapter_class(family)(family_config(family, model_flavour=flavour))
+        adapter.load_vae()
+        adapter.load_text_encoders()
+        return adapter
 
     # ---- the checks ---------------------------------------------------------------------------------------
     def test_tiny_checkpoint_is_the_diffusers_layout(self, adapter, tmp_path):
@@ -337,3 +353,159 @@ class FamilyContract:
         first = evaluation_loss(adapter, transformer, [item])
         assert first == evaluation_loss(adapter, transformer, [item])
         assert len(first) == len(adapter.objective.eval_timesteps()) + 1 and all(v > 0 for v in first.values())
+
+
+EDIT_DATA = REPO / "datasets" / "edit"
+
+
+def _first_step_output(pipe, adapter, latents, **kwargs):
+    """What ``pipe`` hands its scheduler at its first step for these starting latents."""
+    pipe.set_progress_bar_config(disable=True)
+    captured = _capture_scheduler_input(pipe)
+    size = _size(adapter)
+    with torch.no_grad():
+        pipe(height=size, width=size, num_inference_steps=2, latents=adapter.pipeline_latents(latents),
+             output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs)
+    return captured[0], adapter.objective.pipeline_timestep(pipe.scheduler, 0)
+
+
+class EditFlavourContract(_Fixtures):
+    """The checks for an edit flavour; a test class provides a ``case`` fixture: (family, flavour)."""
+
+    @pytest.fixture(scope="class")
+    def adapter(self, case, tiny_dir):
+        family, flavour = case
+        weights = get_adapter_class(family)(family_config(family)).ensure_tiny_checkpoint()
+        # the tiny weights loaded as the edit flavour would load its real ones, from a local folder
+        adapter = get_adapter_class(family)(family_config(family, model_flavour=flavour,
+                                                          pretrained_model_name_or_path=str(weights)))
+        assert adapter.references and adapter.run_pipeline_class is adapter.edit_pipeline_class
+        adapter.load_vae()
+        adapter.load_text_encoders()
+        return adapter
+
+    @pytest.fixture(scope="class")
+    def references(self, adapter):
+        """Two reference images at the test size: (PIL image, its latents as training encodes them) each."""
+        from PIL import Image
+
+        from simpletuner.data.discovery import load_pixels_at
+
+        size = _size(adapter)
+        out = []
+        for name in ("00_circle.png", "01_square.png"):
+            path = EDIT_DATA / "reference" / name
+            pixels = load_pixels_at(path, size, size)
+            image = Image.open(path).convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
+            out.append((image, adapter.encode_images(pixels.unsqueeze(0))))
+        return out
+
+    @staticmethod
+    def with_reference(text, reference_latents):
+        return {**text, "reference_latents": reference_latents}
+
+    @pytest.mark.parametrize("mode", ["embeddings", "prompt"])
+    def test_prediction_matches_the_edit_pipeline(self, adapter, transformer, text, latents, references, mode):
+        """With a reference, the adapter predicts what the edit pipeline computes at its first step, whether it is
+        handed the encoded reference with cached embeddings or the image itself with the prompt."""
+        image, ref_latents = references[0]
+        pipe = adapter.build_pipeline(transformer)
+        assert isinstance(pipe, adapter.edit_pipeline_class)
+        cond = self.with_reference(text, ref_latents)
+        kwargs = adapter.validation_pipeline_kwargs(cond, None, guidance=1.0, guidance_real=1.0)
+        if mode == "prompt":
+            kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+            kwargs.update(prompt=PROMPT, **adapter.reference_pipeline_kwargs(image))
+        theirs, t = _first_step_output(pipe, adapter, latents, **kwargs)
+        with torch.no_grad():
+            ours = adapter.pipeline_latents(adapter.predict(transformer, latents, t, cond))
+        assert ours.shape == theirs.shape
+        assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
+
+    def test_the_reference_changes_the_prediction(self, adapter, transformer, text, latents, references):
+        t = adapter.objective.eval_timesteps()[4:5]
+        with torch.no_grad():
+            a, a_again, b = (adapter.predict(transformer, latents, t, self.with_reference(text, ref))
+                             for ref in (references[0][1], references[0][1], references[1][1]))
+        assert torch.equal(a, a_again)
+        assert (a - b).abs().max().item() > 1e-4
+
+    def test_a_lora_trained_on_pairs_reproduces_in_the_edit_pipeline(self, case, adapter, text, latents,
+                                                                    references, tmp_path):
+        """A LoRA trained through the real trainer on (reference, edit) pairs: loaded into the edit pipeline, its
+        first-step output for a reference image equals the trained model's prediction with that reference, and the
+        reference matters to it."""
+        from safetensors.torch import load_file
+
+        from simpletuner.training.lora import add_lora, load_lora_state
+        from simpletuner.training.trainer import train
+
+        family, flavour = case
+        shutil.copytree(EDIT_DATA, tmp_path / "edit")
+        backends = [{"id": "edited", "instance_data_dir": str(tmp_path / "edit/edited"), "caption_strategy": "textfile",
+                     "resolution": _size(adapter), "resolution_type": "pixel", "conditioning_data": "reference",
+                     "cache_dir_vae": str(tmp_path / "cache/vae")},
+                    {"id": "reference", "dataset_type": "conditioning", "instance_data_dir": str(tmp_path / "edit/reference"),
+                     "cache_dir_vae": str(tmp_path / "cache/vae-ref")},
+                    {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        config = family_config(family, model_flavour=flavour, pretrained_model_name_or_path=adapter.model_path(),
+                               output_dir=str(tmp_path / "out"), learning_rate=1e-2, lora_rank=4, train_batch_size=2,
+                               checkpointing_steps=3, data_backend_config=str(tmp_path / "backends.json"))
+        result = train(config, load_data_backends(backends, config=config))
+        assert result.global_step == 3 and all(torch.isfinite(torch.tensor(result.losses)))
+
+        trained = adapter.load_transformer()
+        add_lora(trained, adapter, config)
+        load_lora_state(trained, load_file(tmp_path / "out/checkpoint-3/trainable.safetensors"), "checkpoint-3")
+        pipe = adapter.edit_pipeline_class.from_pretrained(adapter.model_path())
+        adapter.load_lora(pipe, result.lora_path)
+        plain = {k: v for k, v in adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0).items()
+                 if not isinstance(v, torch.Tensor)}
+        outputs = []
+        for image, ref_latents in references:
+            theirs, t = _first_step_output(pipe, adapter, latents, prompt=PROMPT, **plain,
+                                           **adapter.reference_pipeline_kwargs(image))
+            with torch.no_grad():
+                ours = adapter.pipeline_latents(adapter.predict(trained.eval(), latents, t,
+                                                                self.with_reference(text, ref_latents)))
+            assert (ours - theirs).abs().max().item() < 1e-5
+            outputs.append(ours)
+        assert (outputs[0] - outputs[1]).abs().max().item() > 1e-4
+
+    def test_tread_routes_target_and_reference_tokens(self, adapter, transformer, text, latents, references):
+        from simpletuner.training.tread import apply_tread
+
+        layout = adapter.tread_layout(transformer)
+        if layout is None:
+            return  # the family's contract already shows it refuses TREAD
+        cond = self.with_reference(text, references[0][1])
+        t = adapter.objective.eval_timesteps()[4:5]
+        with torch.no_grad():
+            plain = adapter.predict(transformer, latents, t, cond)
+        handle = apply_tread(transformer, [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}],
+                             layout, generator=torch.Generator().manual_seed(0))
+        seen = []
+
+        def count(module, args, kwargs):
+            image = kwargs[layout.image_arg] if layout.image_arg in kwargs else args[layout.image_pos]
+            seen.append(image.shape[1])
+
+        probe = layout.blocks[1].register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            transformer.train()
+            with torch.enable_grad():
+                routed = adapter.predict(transformer, latents, t, cond)
+            with_reference = adapter.image_seq_len(latents.shape) + adapter.image_seq_len(references[0][1].shape)
+            assert seen and seen[-1] < with_reference and routed.shape == plain.shape
+        finally:
+            handle.remove()
+            probe.remove()
+            transformer.eval()
+
+    def test_eval_loss_with_a_reference_repeats(self, adapter, transformer, text, latents, references):
+        from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
+
+        cond = self.with_reference({k: v[0] for k, v in text.items()}, references[0][1][0])
+        item = EvalItem("sample-key", latents[0], cond)
+        first = evaluation_loss(adapter, transformer, [item])
+        assert first == evaluation_loss(adapter, transformer, [item]) and all(v > 0 for v in first.values())

@@ -1,4 +1,5 @@
-"""The family contract (tests/models/contract.py) over every family in the table."""
+"""The family contract (tests/models/contract.py) over every tiny flavour of every family in the table, and the
+edit contract over every edit flavour the table lists."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from simpletuner.config import family_names, get_family
 from simpletuner.config.families import tiny_flavours
-from tests.models.contract import FamilyContract
+from tests.models.contract import EditFlavourContract, FamilyContract, edit_cases
 
 # every tiny flavour of every family: Wan has one per architecture (T2V, I2V, 2.2's experts)
 CASES = [(name, flavour) for name in family_names() for flavour in tiny_flavours(get_family(name))]
@@ -26,3 +27,10 @@ class TestFamilyContract(FamilyContract):
     @pytest.fixture(scope="class")
     def flavour(self, case):
         return case[1]
+
+
+class TestEditFlavourContract(EditFlavourContract):
+    @pytest.fixture(scope="class", params=edit_cases(), ids=lambda case: "-".join(case))
+    def case(self, request):
+        """(family, edit flavour)."""
+        return request.param

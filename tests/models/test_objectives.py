@@ -127,3 +127,53 @@ def test_fast_schedule_draws_the_distilled_models_steps():
     assert 0.66 < (t == 1.0).float().mean().item() < 0.74
     slow = FlowMatching.from_config(flux_config(model_flavour="tiny"), {})
     assert len(set(slow.sample_timesteps(100, generator=torch.Generator().manual_seed(0), image_seq_len=256).tolist())) > 50
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_gamma_weights_each_sample_by_its_timestep(prediction_type):
+    objective = DDPMObjective(prediction_type, SD_SCHEDULE, snr_gamma=5.0)
+    alpha_bar = objective.scheduler.alphas_cumprod.double()
+    t = torch.tensor([10, 300, 999])
+    snr = alpha_bar[t] / (1 - alpha_bar[t])
+    expected = torch.minimum(snr, torch.full_like(snr, 5.0)) / (snr + 1 if prediction_type == "v_prediction" else snr)
+    weights = objective.loss_weights(t)
+    assert torch.allclose(weights.double(), expected, rtol=1e-5)
+    assert weights[0] < 1 and weights[-1] == pytest.approx(1.0 if prediction_type == "epsilon" else
+                                                           float(snr[-1] / (snr[-1] + 1)), rel=1e-4)
+    # the loss is the per-sample mean squared error times those weights, averaged over the batch
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    per_sample = (pred - target).pow(2).flatten(1).mean(1)
+    assert torch.allclose(objective.loss(pred, target, t), (per_sample * weights).mean())
+    assert torch.allclose(DDPMObjective(prediction_type, SD_SCHEDULE).loss(pred, target, t), per_sample.mean())
+
+
+def test_min_snr_gamma_on_a_zero_terminal_snr_schedule_stays_finite():
+    for prediction_type in ("epsilon", "v_prediction"):
+        objective = DDPMObjective(prediction_type, SD_SCHEDULE, rescale_zero_terminal_snr=True, snr_gamma=5.0)
+        weights = objective.loss_weights(torch.tensor([0, 500, 999]))
+        assert torch.isfinite(weights).all() and weights[-1] == (1.0 if prediction_type == "epsilon" else 0.0)
+
+
+def test_snr_gamma_reaches_the_objective_and_is_refused_for_flow_matching():
+    from simpletuner.config import ConfigError, load_train_config
+
+    config = load_train_config({"model_family": "sdxl", "snr_gamma": 5, "model_flavour": "tiny"}).config
+    assert build_objective(config, SD_SCHEDULE).snr_gamma == 5.0
+    assert build_objective(load_train_config({"model_family": "sdxl"}).config, SD_SCHEDULE).snr_gamma is None
+    with pytest.raises(ConfigError, match="snr_gamma: min-SNR weighting applies to the DDPM objectives"):
+        flux_config(snr_gamma=5)
+
+
+def test_loss_mask_weights_latents_and_leaves_the_rest_without_gradient():
+    objective = DDPMObjective("epsilon", SD_SCHEDULE)
+    pred = torch.randn(2, 4, 8, 8, requires_grad=True)
+    target = torch.randn(2, 4, 8, 8)
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[0, :, 2:5, 3:7] = 1.0
+    mask[1, :, 0:2, :] = 0.5
+    loss = objective.loss(pred, target, torch.tensor([10, 20]), weight=mask)
+    assert torch.allclose(loss, ((pred - target).pow(2) * mask).flatten(1).mean(1).mean())
+    loss.backward()
+    outside = (mask == 0).expand_as(pred)
+    assert torch.all(pred.grad[outside] == 0) and torch.all(pred.grad[~outside] != 0)

@@ -155,3 +155,45 @@ def test_every_rank_meets_the_same_barriers(make_setup, tiny_adapter, tiny_trans
         ev.on_end(4, tiny_transformer)
     assert ranks[0].barriers == ranks[1].barriers == 4  # steps 2, 3, 4 and the final evaluation
     assert reporters[1].events == [] and reporters[0].events  # images and scores from the main process only
+
+
+def test_an_edit_model_needs_a_reference_image_per_prompt(make_setup, tmp_path):
+    import json
+
+    from simpletuner.models.flux import FluxAdapter
+    from tests.conftest import REPO
+    from tests.helpers import flux_config
+
+    adapter = FluxAdapter(flux_config(), references=True)
+    with pytest.raises(ValueError, match="validation_reference_image: model_flavour 'tiny' edits a reference image; "
+                                         "name the image prompt 'make it red' edits"):
+        _evaluator(make_setup, adapter, validation_steps=2, validation_prompt="make it red", eval_dataset=False)
+    with pytest.raises(ValueError, match="validation_reference_image: file 'missing.png' does not exist"):
+        _evaluator(make_setup, adapter, validation_steps=2, validation_prompt="make it red", eval_dataset=False,
+                   validation_reference_image="missing.png")
+    library = tmp_path / "library.json"
+    library.write_text(json.dumps({"ok": {"prompt": "make it blue",
+                                          "reference_image": str(REPO / "datasets/edit/reference/01_square.png")},
+                                   "bare": "make it green"}))
+    with pytest.raises(ValueError, match=r"user_prompt_library\['bare'\].reference_image: model_flavour 'tiny'"):
+        _evaluator(make_setup, adapter, validation_steps=2, user_prompt_library=str(library), eval_dataset=False)
+
+
+def test_fill_caches_encodes_each_reference_once_per_resolution(make_setup):
+    from simpletuner.models.flux import FluxAdapter
+    from tests.conftest import REPO
+    from tests.helpers import flux_config
+
+    adapter = FluxAdapter(flux_config(), references=True)
+    reference = str(REPO / "datasets/edit/reference/00_circle.png")
+    ev = _evaluator(make_setup, adapter, validation_steps=2, validation_prompt="make it red", eval_dataset=False,
+                    validation_reference_image=reference, validation_resolution="32,48x32")
+    ev.fill_caches(show_progress=False)
+    forwards = adapter.vae_forwards
+    assert forwards >= 2 and set(ev._references) == {(reference, 32, 32), (reference, 48, 32)}
+    (item,) = ev.prompts
+    assert ev.reference_latents(item, 48, 32).shape == (4, 4, 6) and adapter.vae_forwards == forwards
+    # a model without references ignores them
+    plain = _evaluator(make_setup, FluxAdapter(flux_config()), validation_steps=2, validation_prompt="x",
+                       eval_dataset=False, validation_reference_image=reference)
+    assert plain.reference_latents(plain.prompts[0], 32, 32) is None

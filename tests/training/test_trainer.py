@@ -99,3 +99,66 @@ def test_init_lora_is_never_unpickled(setup, tmp_path):
     with pytest.raises(ValueError, match=f"init_lora: {planted} is not a readable .safetensors file"):
         add_lora(adapter.load_transformer(), adapter, flux_config(init_lora=str(planted)))
     assert not (tmp_path / "pwned").exists()
+
+
+def _spy_predictions(adapter, monkeypatch) -> list[torch.Tensor]:
+    """Record every prediction ``adapter.predict`` returns, keeping its gradient."""
+    preds = []
+    original = adapter.predict
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out.requires_grad:
+            out.retain_grad()
+        preds.append(out)
+        return out
+
+    monkeypatch.setattr(adapter, "predict", spy)
+    return preds
+
+
+def test_masked_loss_gives_latents_outside_the_mask_no_gradient(setup, monkeypatch):
+    config, adapter, transformer, text = setup
+    mask = torch.zeros(2, 1, 8, 8)
+    mask[0, :, :4, :4] = 1.0
+    mask[1, :, 4:, 2:] = 1.0
+    preds = _spy_predictions(adapter, monkeypatch)
+    transformer.zero_grad(set_to_none=True)
+    loss = compute_loss(config, adapter, transformer, torch.randn(2, 4, 8, 8), text, torch.tensor([False, False]),
+                        torch.Generator().manual_seed(2), mask=mask)
+    loss.backward()
+    grad = preds[-1].grad
+    outside = (mask == 0).expand_as(grad)
+    assert torch.all(grad[outside] == 0) and torch.all(grad[~outside] != 0)
+    # the LoRA still learns (from the masked-in latents only)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in transformer.named_parameters() if "lora_" in n)
+
+
+def test_tread_never_routes_masked_tokens_out(setup):
+    from simpletuner.training.tread import apply_tread
+
+    config, adapter, transformer, text = setup
+    handle = apply_tread(transformer, [{"selection_ratio": 0.75, "start_layer_idx": 1, "end_layer_idx": 4}],
+                         adapter.tread_layout(transformer), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(3)
+    dropped_without_force = 0
+    try:
+        transformer.train()
+        for _ in range(6):
+            mask = (torch.rand(2, 1, 8, 8, generator=g) > 0.9).float()
+            forced = set(adapter.image_token_mask(mask > 0, text).any(0).nonzero().flatten().tolist())
+            assert forced  # the draw masked something in
+            for with_mask in (True, False):
+                compute_loss(config, adapter, transformer, torch.randn(2, 4, 8, 8, generator=g), text,
+                             torch.tensor([False, False]), torch.Generator().manual_seed(4),
+                             mask=mask if with_mask else None)
+                kept = set(handle.last_selection[0][0].tolist())
+                assert len(kept) < 16  # the route did drop tokens
+                if with_mask:
+                    assert forced <= kept
+                else:
+                    dropped_without_force += not forced <= kept
+        assert dropped_without_force  # without the mask the router does drop some of those tokens
+    finally:
+        handle.remove()
+        transformer.eval()
