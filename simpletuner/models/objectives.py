@@ -71,11 +71,13 @@ class Objective(ABC):
         """The training loss of a batch in float32: the squared error, times ``weight`` where given (a loss mask at
         latent resolution, (B, 1, h, w), broadcast over channels), averaged per sample, times the objective's
         per-timestep weight (min-SNR), averaged over the batch."""
+        timestep_weight = self.loss_weights(t)
+        if weight is None and timestep_weight is None:  # one reduction over everything, as before masks existed
+            return F.mse_loss(pred.float(), target.float())
         err = (pred.float() - target.float()).pow(2)
         if weight is not None:
             err = err * weight.to(err)
         per_sample = err.flatten(1).mean(1)
-        timestep_weight = self.loss_weights(t)
         if timestep_weight is not None:
             per_sample = per_sample * timestep_weight.to(per_sample)
         return per_sample.mean()
