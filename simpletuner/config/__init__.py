@@ -9,6 +9,8 @@ from .data import (
     DatasetBackend,
     TextEmbedsBackend,
     check_paths,
+    data_backend_beside,
+    found_beside_message,
     load_data_backends,
     parse_data_backends,
 )
@@ -21,7 +23,15 @@ from .loader import (
     prepare_train_config,
     write_train_config,
 )
-from .train import TrainConfig, TreadConfig, TreadRoute, WebhookConfig, check_train_paths, resolve_tread_routes
+from .train import (
+    TrainConfig,
+    TreadConfig,
+    TreadRoute,
+    WebhookConfig,
+    check_train_paths,
+    flavour_path_errors,
+    resolve_tread_routes,
+)
 from .versions import CURRENT_CONFIG_VERSION, migrate
 
 __all__ = [
@@ -40,8 +50,11 @@ __all__ = [
     "WebhookConfig",
     "check_paths",
     "check_train_paths",
+    "data_backend_beside",
+    "found_beside_message",
     "dump_train_config",
     "family_names",
+    "flavour_path_errors",
     "get_family",
     "load_data_backends",
     "load_train_config",

@@ -13,11 +13,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .data import check_paths, load_data_backends
+from .data import check_paths, data_backend_beside, found_beside_message, load_data_backends
 from .errors import ConfigError, FieldError
 from .loader import dump_train_config, load_train_config, parse_extra_args, prepare_train_config
 from .requirements import missing_packages
-from .train import check_train_paths
+from .train import check_train_paths, flavour_path_errors
 
 DEFAULT_CONFIG = os.path.join("config", "config.json")
 
@@ -28,6 +28,7 @@ class ValidationReport:
 
     errors: list[tuple[str | None, FieldError]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     config: dict[str, Any] | None = None
     datasets: list[str] = field(default_factory=list)
 
@@ -46,7 +47,8 @@ def _prefixed(source: str | None, lines: list[str]) -> list[str]:
 def validate_files(config_path: str, data_backend_config: str | None = None,
                    overrides: dict[str, Any] | None = None) -> ValidationReport:
     """Validate ``config_path`` (with ``overrides``, as ``train`` would apply them), the packages its options need,
-    and its data backends (``data_backend_config`` or the config's own setting).
+    and its data backends (``data_backend_config``, the config's own setting, or a ``multidatabackend.json`` beside
+    the config file).
 
     Relative paths are resolved against the working directory, as SimpleTuner does.
     """
@@ -64,19 +66,25 @@ def validate_files(config_path: str, data_backend_config: str | None = None,
             readable = False
     else:
         config = loaded.config
+        report.errors += [(config_path, e) for e in flavour_path_errors(config)]
         report.warnings += _prefixed(config_path, loaded.warnings + check_train_paths(config))
         report.config = dump_train_config(config)
         report.errors.extend((config_path, e) for e in missing_packages(config.__dict__))
         configured = config.data_backend_config
 
     data_path = data_backend_config or configured
+    if not data_path and readable:
+        data_path = data_backend_beside(config_path)
+        if data_path:
+            report.notes.append(found_beside_message(data_path, config_path))
     if not data_path:
         if not readable:
             return report  # nothing more to say until the config file itself can be read
         report.errors.append(
             (
                 config_path,
-                FieldError("data_backend_config", "not set; set it in config.json or pass --data_backend_config"),
+                FieldError("data_backend_config", "not set; set it in config.json, pass --data_backend_config, or "
+                                                  "put multidatabackend.json beside the config"),
             )
         )
         return report
@@ -102,22 +110,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="multidatabackend.json to check (default: the config's data_backend_config)",
     )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value as train does, e.g. --set model_flavour=tiny (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     flags = getattr(args, "config_flags", None)
-    report = validate_files(args.config, args.data_backend_config, parse_extra_args(flags) if flags else None)
+    overrides = parse_extra_args(flags) if flags else {}
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"error: --set {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        overrides[key.strip()] = value
+    report = validate_files(args.config, args.data_backend_config, overrides or None)
     if args.json:
         payload = {
             "ok": report.ok,
             "errors": [{"source": src, "path": e.path, "message": e.message} for src, e in report.errors],
             "warnings": report.warnings,
+            "notes": report.notes,
             "config": report.config,
             "datasets": report.datasets,
         }
         print(json.dumps(payload, indent=2))
         return 0 if report.ok else 1
+    for note in report.notes:
+        print(note)
     for warning in report.warnings:
         print(f"warning: {warning}")
     for source, error in report.errors:

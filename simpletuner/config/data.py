@@ -1,7 +1,8 @@
 """The schema of multidatabackend.json: a JSON list of dataset backends plus one text-embeds backend.
 
 Errors name entries ``datasets[<id>].<key>`` (``datasets[<n>]``, the 0-based position, when an entry has no
-usable id). Unknown keys are warnings, not errors. Whether folders exist is checked separately by
+usable id). Unknown keys are warnings, not errors; SimpleTuner's documented keys that are not fields here are
+handled as :mod:`simpletuner.config.simpletuner_keys` says. Whether folders exist is checked separately by
 :func:`check_paths`, because a config may be validated on a machine other than the one that trains.
 """
 
@@ -18,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution
 from .errors import ConfigError, FieldError, errors_from_validation
+from .simpletuner_keys import DATASET_KEYS, apply_rules
 from .train import TrainConfig
 
 _NOT_YET = {
@@ -27,32 +29,6 @@ _NOT_YET = {
     "type": {"aws", "csv", "huggingface", "parquet"},
     "caption_strategy": {"parquet", "jsonl", "huggingface", "csv"},
 }
-
-# Keys SimpleTuner reads that this version ignores; named so the warning says so instead of "unknown".
-UNSUPPORTED_DATASET_KEYS = frozenset(
-    {
-        "skip_file_discovery",
-        "preserve_data_backend_cache",
-        "metadata_backend",
-        "vae_cache_clear_each_epoch",
-        "hash_filenames",
-        "prepend_instance_prompt",
-        "only_instance_prompt",
-        "conditioning",
-        "source_dataset_id",
-        "aspect_bucket_alignment",
-        "aspect_bucket_rounding",
-        "maximum_aspect_ratio",
-        "minimum_aspect_ratio",
-        "text_embeds",
-        "image_embeds",
-        "start_epoch",
-        "start_step",
-        "end_epoch",
-        "end_step",
-    }
-)
-
 
 def _field(default: Any, description: str, path: str | None = None, **kwargs: Any) -> Any:
     extra = {"group": "data", **({"path": path} if path else {})}  # path: see simpletuner.config.paths
@@ -331,15 +307,18 @@ def parse_data_backends(
             continue
         model: type[StrictModel] = TextEmbedsBackend if kind == "text_embeds" else DatasetBackend
         known = model.model_fields
+        entry, refused, notes = apply_rules(entry, DATASET_KEYS, prefix=f"{path}.")
+        warnings.extend(notes)
+        if refused:
+            errors.extend(refused)
+            failed_kinds.add(kind)
+            continue
         for key in list(entry):
             if key not in known:
                 del entry[key]
-                if key in UNSUPPORTED_DATASET_KEYS:
-                    warnings.append(f"{path}.{key}: a SimpleTuner option this version does not support; ignored")
-                else:
-                    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
-                    warnings.append(f"{path}.{key}: unknown key, ignored{hint}")
+                close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                warnings.append(f"{path}.{key}: unknown key, ignored{hint}")
         try:
             backend = model.model_validate(entry)
         except ValidationError as exc:
@@ -499,3 +478,20 @@ def check_paths(backends: DataBackends, cwd: str | os.PathLike[str] | None = Non
         elif next(folder.iterdir(), None) is None:
             warnings.append(f"{where}: folder {dataset.instance_data_dir!r} is empty")
     return warnings
+
+
+DEFAULT_DATA_BACKEND_NAME = "multidatabackend.json"
+
+
+def data_backend_beside(config_path: str | os.PathLike[str] | None) -> str | None:
+    """``multidatabackend.json`` in the config file's folder, if there is one: where SimpleTuner's users keep it
+    (``config/config.json`` + ``config/multidatabackend.json``), used when ``data_backend_config`` is not set."""
+    if config_path is None:
+        return None
+    candidate = os.path.join(os.path.dirname(os.fspath(config_path)), DEFAULT_DATA_BACKEND_NAME)
+    return candidate if os.path.isfile(candidate) else None
+
+
+def found_beside_message(found: str, config_path: str | os.PathLike[str]) -> str:
+    """The one line that says a data backend file was found beside the config."""
+    return f"data_backend_config: not set; using {found}, found beside {os.fspath(config_path)}"

@@ -8,7 +8,9 @@ Normalisation, in order:
    values is an error;
 4. ``overrides`` (e.g. from the command line) are applied;
 5. older config versions are migrated (see :mod:`simpletuner.config.versions`);
-6. unknown keys are dropped with a warning that suggests the closest known key;
+6. SimpleTuner's documented keys that are not fields here are accepted, refused or warned about as
+   :mod:`simpletuner.config.simpletuner_keys` says (its newer spellings, e.g. ``checkpoint_step_interval``, are
+   read as our fields in step 3); other unknown keys are dropped with a warning that suggests the closest known key;
 7. the rest is validated by :class:`~simpletuner.config.train.TrainConfig`.
 """
 
@@ -26,47 +28,11 @@ from typing import Any, Union
 from pydantic import ValidationError
 
 from .errors import ConfigError, FieldError, errors_from_validation
+from .simpletuner_keys import ALIASES, TRAIN_KEYS, apply_rules
 from .train import TrainConfig
 from .versions import migrate
 
 Source = Union[str, os.PathLike, Mapping[str, Any]]
-
-# SimpleTuner options that parse but that this version does not implement (yet); named so the warning is clear.
-UNSUPPORTED_SIMPLETUNER_KEYS = frozenset(
-    {
-        "push_to_hub",
-        "push_checkpoints_to_hub",
-        "hub_model_id",
-        "model_card_safe_for_work",
-        "aspect_bucket_rounding",
-        "disable_benchmark",
-        "noise_offset",
-        "noise_offset_probability",
-        "validation_torch_compile",
-        "validation_guidance_rescale",
-        "allow_tf32",
-        "use_dora",
-        "fuse_qkv_projections",
-        "snr_gamma",
-        "disable_bucket_pruning",
-        "minimum_image_size",
-        "metadata_update_interval",
-        "checkpointing_use_tempdir",
-        "delete_unwanted_images",
-        "validation_noise_scheduler",
-        "lr_end",
-        "lr_num_cycles",
-        "ema_cpu_only",
-        "ema_foreach_disable",
-        "ema_warmup_steps",
-        "validation_lycoris_strength",
-        "data_backend_sampling",
-        "disable_assistant_lora",
-        "assistant_lora_path",
-        "i_know_what_i_am_doing",
-    }
-)
-
 
 @dataclass
 class LoadedConfig:
@@ -124,6 +90,7 @@ def _normalise_keys(raw: Mapping[str, Any], warnings: list[str]) -> dict[str, An
 
     def put(written: str, value: Any, override: bool) -> None:
         key = written.lstrip("-").strip().replace("-", "_")
+        key = ALIASES.get(key, key)
         if not key:
             warnings.append(f"{written!r}: empty key ignored")
             return
@@ -157,27 +124,34 @@ def _normalise_keys(raw: Mapping[str, Any], warnings: list[str]) -> dict[str, An
     return {key: value for key, (_, value) in stripped.items()}
 
 
-def _drop_unknown(values: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+def _drop_unknown(values: dict[str, Any], warnings: list[str]) -> tuple[dict[str, Any], list[FieldError]]:
+    """(known keys, errors for refused SimpleTuner keys); warnings for the rest."""
     known = TrainConfig.model_fields
+    values, refused, notes = apply_rules(values, TRAIN_KEYS)
+    warnings.extend(notes)
     out = {}
     for key, value in values.items():
         if key in known:
             out[key] = value
             continue
-        if key in UNSUPPORTED_SIMPLETUNER_KEYS:
-            warnings.append(f"{key}: a SimpleTuner option this version does not support; ignored")
-            continue
         close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         warnings.append(f"{key}: unknown key, ignored{hint}")
-    return out
+    return out, refused
 
 
 def prepare_train_config(
     source: Source, *, overrides: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], list[str], str | None]:
     """Steps 1-6 of loading: the normalised, migrated key/value mapping (unknown keys removed), the warnings,
-    and the source file name. Raises ConfigError for unreadable files and conflicting keys."""
+    and the source file name. Raises ConfigError for unreadable files, conflicting keys and refused values."""
+    values, warnings, name, refused = _prepare(source, overrides)
+    if refused:
+        raise ConfigError(refused, source=name)
+    return values, warnings, name
+
+
+def _prepare(source: Source, overrides: Mapping[str, Any] | None):
     warnings: list[str] = []
     name = None if isinstance(source, Mapping) else os.fspath(source)
     try:
@@ -188,10 +162,10 @@ def prepare_train_config(
         if overrides:
             values.update(_normalise_keys(overrides, warnings))
         values = migrate(values, warnings)
-        values = _drop_unknown(values, warnings)
+        values, refused = _drop_unknown(values, warnings)
     except ConfigError as exc:
         raise exc.with_source(exc.source or name) from None
-    return values, warnings, name
+    return values, warnings, name, refused
 
 
 def load_train_config(source: Source, *, overrides: Mapping[str, Any] | None = None) -> LoadedConfig:
@@ -200,11 +174,13 @@ def load_train_config(source: Source, *, overrides: Mapping[str, Any] | None = N
     ``overrides`` (same key spellings as the file) win over the file. Raises ConfigError listing every error
     as ``path: message``, attributed to the file when there is one.
     """
-    values, warnings, name = prepare_train_config(source, overrides=overrides)
+    values, warnings, name, refused = _prepare(source, overrides)
     try:
         config = TrainConfig.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(errors_from_validation(exc), source=name) from None
+        raise ConfigError(refused + errors_from_validation(exc), source=name) from None
+    if refused:
+        raise ConfigError(refused, source=name)
     return LoadedConfig(config=config, warnings=warnings, source=name)
 
 

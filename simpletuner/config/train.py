@@ -855,6 +855,42 @@ class TrainConfig(StrictModel):
         return [(side, side)]
 
 
+def is_local(path: str) -> bool:
+    """Whether a model path means a file or folder on this machine rather than a Hugging Face repo id (owner/name):
+    it exists, or it is written as a path (absolute, ./, ../, ~, a backslash, or more than one '/')."""
+    if Path(path).expanduser().exists():
+        return True
+    return path.startswith(("/", "./", "../", "~", ".\\")) or "\\" in path or path.count("/") > 1
+
+
+MODEL_PATH_FIELDS = (
+    "pretrained_model_name_or_path",
+    "pretrained_transformer_model_name_or_path",
+    "pretrained_vae_model_name_or_path",
+)
+
+
+def flavour_path_errors(config: TrainConfig) -> list[FieldError]:
+    """Contradictions between a flavour whose weights are generated on this machine (``tiny``) and model paths
+    that name other weights: any ``pretrained_model_name_or_path`` (the flavour decides the model), and a Hub id as
+    the transformer or VAE (a local folder is fine: a test or a user's own tiny parts)."""
+    family = config.family
+    flavour = config.model_flavour
+    if flavour not in family.flavours or family.flavours[flavour] is not None:
+        return []
+    errors = []
+    for name in MODEL_PATH_FIELDS:
+        value = getattr(config, name)
+        if not value or (name != "pretrained_model_name_or_path" and is_local(value)):
+            continue
+        kind = "the local folder" if is_local(value) else "the Hub model"
+        errors.append(FieldError(
+            name, f"model_flavour {flavour!r} is a small model generated on this machine, and {name} names {kind} "
+                  f"{value!r}, whose weights do not belong to it; set {name} to null for {flavour!r}, or set "
+                  "model_flavour to the flavour of those weights"))
+    return errors
+
+
 def check_train_paths(config: TrainConfig, cwd: str | os.PathLike[str] | None = None) -> list[str]:
     """Warnings (``path: message``) for files and folders named in ``config`` that do not exist.
 
@@ -874,13 +910,8 @@ def check_train_paths(config: TrainConfig, cwd: str | os.PathLike[str] | None = 
         path = local(getattr(config, name))
         if path is not None and not path.exists():
             warnings.append(f"{name}: file {getattr(config, name)!r} does not exist")
-    for name in (
-        "pretrained_model_name_or_path",
-        "pretrained_transformer_model_name_or_path",
-        "pretrained_vae_model_name_or_path",
-    ):
+    for name in MODEL_PATH_FIELDS:
         value = getattr(config, name)
-        looks_local = bool(value) and (value.startswith(("/", "./", "../", "~")) or value.count("/") > 1)
-        if looks_local and not local(value).exists():  # type: ignore[union-attr]
+        if value and is_local(value) and not local(value).exists():  # type: ignore[union-attr]
             warnings.append(f"{name}: folder {value!r} does not exist (and is not a Hugging Face repo id)")
     return warnings

@@ -220,6 +220,13 @@ def build_submit_body(args: argparse.Namespace) -> dict:
             named = _value(merged, "data_backend_config")
             if isinstance(named, str) and Path(named).exists():
                 backends_path = Path(named)
+            elif not named:
+                from simpletuner.config import data_backend_beside, found_beside_message
+
+                beside = data_backend_beside(args.config)
+                if beside:
+                    print(found_beside_message(beside, args.config), file=sys.stderr)
+                    backends_path = Path(beside)
         if backends_path is not None:
             body["data_backends"] = _read_json(backends_path, "--data-backends")
             for where in (cfg, overrides):  # sent inline; a path on this machine means nothing there

@@ -47,17 +47,26 @@ def parse_overrides(items: list[str], config_flags: list[str] | None = None) -> 
 
 def load_configs(config_path: str, data_backend_config: str | None, overrides: dict):
     """(LoadedConfig, DataBackends); prints every error with its field path and exits 1 on invalid input."""
-    from simpletuner.config import ConfigError, load_data_backends, load_train_config
+    from simpletuner.config import (ConfigError, data_backend_beside, flavour_path_errors, found_beside_message,
+                                    load_data_backends, load_train_config)
 
     try:
         loaded = load_train_config(config_path, overrides=overrides)
+        contradictions = flavour_path_errors(loaded.config)
+        if contradictions:
+            raise ConfigError(contradictions, source=config_path)
     except ConfigError as exc:
         print(f"error: invalid config\n{exc}", file=sys.stderr)
         raise SystemExit(1) from None
     backend_path = data_backend_config or loaded.config.data_backend_config
     if not backend_path:
-        print(f"error: {config_path}: data_backend_config: not set (give it in the config or "
-              "with --data_backend_config)", file=sys.stderr)
+        backend_path = data_backend_beside(config_path)
+        if backend_path:
+            print(found_beside_message(backend_path, config_path), file=sys.stderr)
+            loaded.config.data_backend_config = backend_path
+    if not backend_path:
+        print(f"error: {config_path}: data_backend_config: not set (give it in the config, with "
+              "--data_backend_config, or put multidatabackend.json beside the config)", file=sys.stderr)
         raise SystemExit(1)
     try:
         backends = load_data_backends(backend_path, config=loaded.config)

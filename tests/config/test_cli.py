@@ -73,6 +73,13 @@ def test_validate_data_backend_from_the_command_line(project, make_config, make_
     config = make_config()
     del config["--data_backend_config"]
     (project / "config" / "config.json").write_text(json.dumps(config))
+    beside = project / "config" / "multidatabackend.json"
+    assert beside.is_file()
+    result = simpletuner("validate", cwd=project)  # not set: the file beside the config is used, in one line
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[0] == ("data_backend_config: not set; using config/multidatabackend.json, "
+                                             "found beside config/config.json")
+    beside.rename(project / "elsewhere.json")
     result = simpletuner("validate", cwd=project)
     assert result.returncode == 1
     assert "config/config.json: data_backend_config: not set" in result.stdout

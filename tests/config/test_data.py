@@ -62,7 +62,7 @@ def test_unknown_keys_are_warnings_with_suggestions(make_backends):
     entries = make_backends(captoin_strategy="textfile", skip_file_discovery="vae", sparkle=1)
     backends = parse_data_backends(entries)
     assert "datasets[pics].captoin_strategy: unknown key, ignored; did you mean 'caption_strategy'?" in backends.warnings
-    assert any(w.startswith("datasets[pics].skip_file_discovery: a SimpleTuner option") for w in backends.warnings)
+    assert any(w.startswith("datasets[pics].skip_file_discovery: has no effect here") for w in backends.warnings)
     assert "datasets[pics].sparkle: unknown key, ignored" in backends.warnings
 
 
