@@ -29,6 +29,7 @@ import torch
 from simpletuner.models import tiny
 from simpletuner.models.objectives import Objective, build_objective
 from simpletuner.models.tread_layout import TreadLayout
+from simpletuner.models.weights import WeightLoadError, WeightSource, check_weight_sources, explained
 
 
 @dataclass
@@ -175,6 +176,65 @@ class ModelAdapter(metaclass=_AdapterMeta):
         a component in another repository (HiDream's Llama text encoder)."""
         return self.model_path(), getattr(self.config, "revision", None)
 
+    # ---- where each piece comes from, checked before the run -------------------------------------------------
+    def _base_field(self) -> str:
+        return "model_flavour" if self.config.model_flavour == "tiny" else "pretrained_model_name_or_path"
+
+    def denoiser_weights(self) -> WeightSource:
+        path, subfolder = self.denoiser_source()
+        field = ("pretrained_transformer_model_name_or_path" if self.config.pretrained_transformer_model_name_or_path
+                 else self._base_field())
+        folder = subfolder if subfolder not in ("", "none", None) else None
+        return WeightSource(field, str(path), folder, what=self.denoiser_subfolder, revision=self.config.revision,
+                            subfolder_field="pretrained_transformer_subfolder")
+
+    def _vae_weights(self) -> WeightSource:
+        path, subfolder = self.vae_source()
+        field = "pretrained_vae_model_name_or_path" if self.config.pretrained_vae_model_name_or_path \
+            else self._base_field()
+        return WeightSource(field, str(path), subfolder, what="VAE")
+
+    def _text_weights(self) -> list[WeightSource]:
+        """(encoder, tokenizer) sources per text encoder, in ``text_encoder_specs`` order."""
+        field = self._base_field()
+        out = []
+        for n, (enc_dir, _, tok_dir, _) in enumerate(self.text_encoder_specs, start=1):
+            path, revision = self.component_source(enc_dir)
+            out.append(WeightSource(field, path, enc_dir, what=f"text encoder {n}", revision=revision))
+            path, revision = self.component_source(tok_dir)
+            out.append(WeightSource(field, path, tok_dir, need=(), weights=False, what=f"tokenizer {n}",
+                                    revision=revision))
+        return out
+
+    def _scheduler_weights(self) -> WeightSource:
+        return WeightSource(self._base_field(), self.model_path(), "scheduler", need=("scheduler_config.json",),
+                            weights=False, what="scheduler config", revision=self.config.revision)
+
+    def weight_sources(self) -> list[WeightSource]:
+        """Everything this run loads: the denoiser, the VAE, the text encoders and tokenizers, the scheduler config,
+        the pipeline's ``model_index.json`` and, with ``validation_preview``, the preview decoder."""
+        base = self.model_path()
+        sources = [self.denoiser_weights(), self._vae_weights(), *self._text_weights(), self._scheduler_weights(),
+                   WeightSource(self._base_field(), base, None, need=("model_index.json",), weights=False,
+                                what="pipeline layout", revision=self.config.revision)]
+        if getattr(self.config, "validation_preview", False):
+            preview = self.preview_decoder_source()
+            if preview is not None:
+                sources.append(WeightSource("validation_preview", preview[0], preview[1], what="preview decoder",
+                                            alternative="turn previews off (validation_preview: false)"))
+        return sources
+
+    def check_weights(self, extra: list[WeightSource] | tuple = ()) -> None:
+        """Before anything is cached or written: refuse a generated flavour (``tiny``) combined with paths to other
+        weights, then prove every source of ``weight_sources`` (and ``extra``) can be loaded (see
+        :mod:`simpletuner.models.weights`). Raises WeightLoadError naming the field, the id or path and the fix."""
+        from simpletuner.config.train import flavour_path_errors
+
+        contradictions = flavour_path_errors(self.config)
+        if contradictions:
+            raise WeightLoadError("\n".join(str(e) for e in contradictions))
+        check_weight_sources([*self.weight_sources(), *extra])
+
     # ---- loading ---------------------------------------------------------------------------------------
     def denoiser_source(self) -> tuple[str, str | None]:
         """(path, subfolder) of the denoiser: ``pretrained_transformer_model_name_or_path`` when set (a folder, a
@@ -186,25 +246,34 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def load_transformer(self) -> torch.nn.Module:
         """The denoiser (transformer or UNet) in ``weight_dtype``, on the CPU."""
         path, subfolder = self.denoiser_source()
-        if str(path).endswith((".safetensors", ".sft")):
-            return self.denoiser_class.from_single_file(path, torch_dtype=self.weight_dtype)
-        return self.denoiser_class.from_pretrained(
-            path, subfolder=subfolder if subfolder not in ("", "none", None) else None,
-            torch_dtype=self.weight_dtype, revision=self.config.revision, variant=self.config.variant,
-        )
+        with explained(self.denoiser_weights()):
+            if str(path).endswith((".safetensors", ".sft")):
+                return self.denoiser_class.from_single_file(path, torch_dtype=self.weight_dtype)
+            return self.denoiser_class.from_pretrained(
+                path, subfolder=subfolder if subfolder not in ("", "none", None) else None,
+                torch_dtype=self.weight_dtype, revision=self.config.revision, variant=self.config.variant,
+            )
+
+    def vae_source(self) -> tuple[str, str | None]:
+        """(path, subfolder) of the VAE: ``pretrained_vae_model_name_or_path`` (a VAE folder or a model with a
+        ``vae/`` subfolder) or the model's own ``vae/``."""
+        path = self.config.pretrained_vae_model_name_or_path
+        if not path:
+            return self.model_path(), "vae"
+        subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
+        return path, subfolder
 
     def load_vae(self) -> torch.nn.Module:
-        """Load ``self.vae`` (frozen, eval, float32, on ``self.device``): ``pretrained_vae_model_name_or_path`` (a
-        VAE folder or a model with a ``vae/`` subfolder) or the model's own."""
+        """Load ``self.vae`` (frozen, eval, float32, on ``self.device``) from ``vae_source``."""
         if self.vae_class is None:
             from diffusers import AutoencoderKL
 
             vae_class = AutoencoderKL
         else:
             vae_class = self.vae_class
-        path = self.config.pretrained_vae_model_name_or_path or self.model_path()
-        subfolder = "vae" if (not Path(path).exists() or (Path(path) / "vae").is_dir()) else None
-        self.vae = vae_class.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
+        path, subfolder = self.vae_source()
+        with explained(self._vae_weights()):
+            self.vae = vae_class.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
         if getattr(self.config, "vae_enable_tiling", False):
             self.vae.enable_tiling()  # overlapping tiles: large images encode and decode in bounded memory
         self.vae.requires_grad_(False).eval()
@@ -231,13 +300,16 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def load_text_encoders(self) -> None:
         """Load ``self.text_encoders`` and ``self.tokenizers`` from ``text_encoder_specs`` (frozen, eval, on
         ``self.device``) and apply ``text_encoder_<n>_precision``."""
-        def load(cls, folder, **kwargs):
-            path, revision = self.component_source(folder)
-            return cls.from_pretrained(path, subfolder=folder, revision=revision, **kwargs)
-
-        self.tokenizers = [load(tok_cls, tok_dir) for _, _, tok_dir, tok_cls in self.text_encoder_specs]
-        self.text_encoders = [load(enc_cls, enc_dir, dtype=self.weight_dtype)
-                              for enc_dir, enc_cls, _, _ in self.text_encoder_specs]
+        sources = self._text_weights()
+        self.tokenizers, self.text_encoders = [], []
+        for n, (enc_dir, enc_cls, tok_dir, tok_cls) in enumerate(self.text_encoder_specs):
+            tok_path, tok_revision = self.component_source(tok_dir)
+            with explained(sources[2 * n + 1]):
+                self.tokenizers.append(tok_cls.from_pretrained(tok_path, subfolder=tok_dir, revision=tok_revision))
+            enc_path, enc_revision = self.component_source(enc_dir)
+            with explained(sources[2 * n]):
+                self.text_encoders.append(enc_cls.from_pretrained(enc_path, subfolder=enc_dir, revision=enc_revision,
+                                                                  dtype=self.weight_dtype))
         self.quantize_text_encoders()
         for encoder in self.text_encoders:
             encoder.requires_grad_(False).eval()
@@ -369,8 +441,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
         from diffusers import DDPMScheduler
 
         # any scheduler class reads scheduler/scheduler_config.json as it is, whatever class it names
-        return dict(DDPMScheduler.load_config(self.model_path(), subfolder="scheduler",
-                                              revision=getattr(self.config, "revision", None)))
+        with explained(self._scheduler_weights()):
+            return dict(DDPMScheduler.load_config(self.model_path(), subfolder="scheduler",
+                                                  revision=getattr(self.config, "revision", None)))
 
     def sample_conditioning(self, samples) -> dict[str, torch.Tensor]:
         """Per-sample conditioning the family derives from how each training image was prepared (its
@@ -446,10 +519,12 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def _pipeline(self, transformer, text_components: dict[str, Any]):
         if self.vae is None:
             self.load_vae()
-        return self.run_pipeline_class.from_pretrained(
-            self.model_path(), revision=self.config.revision,
-            **{self.denoiser_subfolder: transformer, "vae": self.vae}, **text_components,
-        )
+        with explained(WeightSource(self._base_field(), self.model_path(), None, need=("model_index.json",),
+                                    weights=False, what="pipeline layout")):
+            return self.run_pipeline_class.from_pretrained(
+                self.model_path(), revision=self.config.revision,
+                **{self.denoiser_subfolder: transformer, "vae": self.vae}, **text_components,
+            )
 
     def build_pipeline(self, transformer):
         """The family's whole diffusers pipeline around ``transformer`` (no copy of its weights), with the text
@@ -538,7 +613,8 @@ class ModelAdapter(metaclass=_AdapterMeta):
         if source is None:
             raise ValueError(f"validation_preview: model_family {self.family!r} has no tiny autoencoder for previews")
         path, subfolder = source
-        decoder = AutoencoderTiny.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
+        with explained(WeightSource("validation_preview", path, subfolder, what="preview decoder")):
+            decoder = AutoencoderTiny.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
         return decoder.requires_grad_(False).eval().to(self.device)
 
     def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -119,8 +119,8 @@ def weight_dtype_for(config, device: torch.device) -> torch.dtype:
 
 
 def preflight(config, adapter, device: torch.device | None = None, backends=None) -> None:
-    """Checks that need the device, the optional packages, or the model's shape or schedule, done before anything
-    is cached or written."""
+    """Checks that need the device, the optional packages, the model's weights, or its shape or schedule, done
+    before anything is cached or written."""
     from simpletuner.config import ConfigError
     from simpletuner.config.requirements import device_errors, missing_packages
 
@@ -132,6 +132,7 @@ def preflight(config, adapter, device: torch.device | None = None, backends=None
         from simpletuner.training.lora import lycoris_preset
 
         lycoris_preset(adapter, config.lycoris_config.apply_preset)
+    adapter.check_weights(_evaluation_weights(config))  # every weight source reachable, or one clear error
     adapter.objective  # reads the model's scheduler config: a missing or bad one fails here, not mid-run
     if backends is not None:
         from simpletuner.config.data import reference_errors
@@ -143,6 +144,17 @@ def preflight(config, adapter, device: torch.device | None = None, backends=None
         from simpletuner.config import resolve_tread_routes
 
         resolve_tread_routes(config.tread_config.routes, adapter.transformer_depth())
+
+
+def _evaluation_weights(config) -> list:
+    """The CLIP model ``evaluation_type: clip`` loads at the first validation, checked with the model's weights."""
+    if config.evaluation_type != "clip":
+        return []
+    from simpletuner.evaluation.clip_score import clip_model_path
+    from simpletuner.models.weights import WeightSource
+
+    return [WeightSource("pretrained_evaluation_model_name_or_path", clip_model_path(config), None,
+                         what="CLIP model", alternative="evaluation_type: none")]
 
 
 def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:

@@ -135,6 +135,19 @@ class FamilyContract(_Fixtures):
         return adapter
 
     # ---- the checks ---------------------------------------------------------------------------------------
+    def test_weight_sources_are_checked_before_anything_loads(self, family, adapter, tmp_path):
+        from simpletuner.models.weights import WeightLoadError
+
+        adapter.check_weights()  # the tiny flavour holds every piece the run loads
+        real = next(name for name, path in get_family(family).flavours.items() if path is not None)
+        copy = tmp_path / "model"
+        shutil.copytree(adapter.ensure_tiny_checkpoint(), copy)
+        shutil.rmtree(copy / "vae")
+        user = get_adapter_class(family)(family_config(family, model_flavour=real,
+                                                       pretrained_model_name_or_path=str(copy)))
+        with pytest.raises(WeightLoadError, match=r"pretrained_model_name_or_path: .* has no VAE in vae/"):
+            user.check_weights()
+
     def test_tiny_checkpoint_is_the_diffusers_layout(self, adapter, tmp_path):
         path = adapter.ensure_tiny_checkpoint()
         index = json.loads((path / "model_index.json").read_text())
