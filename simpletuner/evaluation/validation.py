@@ -10,7 +10,7 @@ AutoEncoder's decode of the latents every ``validation_preview_steps`` denoising
 ``.../step_<N>/previews/<nickname>_<W>x<H>_<inference step>.png``. A video family writes
 ``<nickname>_<W>x<H>.mp4`` (H.264, ``framerate`` fps) and its first frame as the ``.png`` poster; its previews
 decode the first latent frame (the poster frame) with the family's own VAE, since diffusers has no tiny video
-autoencoder.
+autoencoder. Previews are decoded in float32 on the CPU, where bfloat16 convolutions are many times slower.
 """
 
 from __future__ import annotations
@@ -97,6 +97,32 @@ class PreviewImage:
     resolution: tuple[int, int]
     inference_step: int
     path: Path
+    image: object = None  # PIL image
+
+    @property
+    def name(self) -> str:
+        return f"{self.nickname}_{self.resolution[0]}x{self.resolution[1]}"
+
+
+def preview_strips(previews: list[PreviewImage]) -> dict[str, tuple[object, str]]:
+    """One image per validation image: its previews side by side in denoising order, with a caption naming the
+    steps, as ``{"<nickname>_<W>x<H>": (strip, caption)}`` for the trackers."""
+    from PIL import Image
+
+    grouped: dict[str, list[PreviewImage]] = {}
+    for preview in previews:
+        if preview.image is not None:
+            grouped.setdefault(preview.name, []).append(preview)
+    strips = {}
+    for name, items in grouped.items():
+        items.sort(key=lambda p: p.inference_step)
+        width, height = items[0].image.size
+        strip = Image.new("RGB", (width * len(items), height))
+        for i, item in enumerate(items):
+            strip.paste(item.image.convert("RGB"), (i * width, 0))
+        steps = ", ".join(str(p.inference_step) for p in items)
+        strips[name] = (strip, f"{items[0].prompt} (denoising steps {steps})")
+    return strips
 
 
 def step_folder(output_dir: str | Path, step: int) -> Path:
@@ -139,9 +165,11 @@ class ValidationRunner:
         folder = step_folder(self.config.output_dir, step)
         folder.mkdir(parents=True, exist_ok=True)
         results = []
-        with preserve_rng_state(), inference_mode(transformer):
+        with preserve_rng_state(), inference_mode(transformer), contextlib.ExitStack() as scope:
             pipeline = self.adapter.build_validation_pipeline(transformer)
             pipeline.set_progress_bar_config(disable=True)
+            if self.adapter.device.type == "cpu" and getattr(pipeline, "vae", None) is not None:
+                scope.enter_context(_float32_decode(pipeline.vae))
             negative = self._embeddings(self.negative_prompt, negative=True) if self.negative_needed() else None
             for item in prompts:
                 text = self._embeddings(item.prompt)
@@ -197,6 +225,13 @@ class ValidationRunner:
                            generator=generator, output_type="pil", **kwargs)
         return [out.images[0]]
 
+    def _decode_precision(self):
+        """The run's autocast on accelerators; float32 on the CPU, where bf16 convolutions are ~25x slower."""
+        if self.adapter.device.type == "cpu":
+            return torch.autocast("cpu", enabled=False)
+        return self.autocast()
+
+
     def _preview_callback(self, item: ValidationPrompt, width: int, height: int, step: int, folder: Path, every: int):
         previews = folder / "previews"
 
@@ -205,13 +240,34 @@ class ValidationRunner:
             if done % every == 0:
                 latents = self.adapter.preview_latents(pipeline_latents, height, width)
                 decoder = self.preview_decoder
-                pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
+                with self._decode_precision():
+                    pixels = decoder.decode(latents.to(decoder.device, decoder.dtype)).sample[0]
                 if pixels.ndim == 4:  # a video VAE's (3, frames, H, W): the poster frame
                     pixels = pixels[:, 0]
                 previews.mkdir(parents=True, exist_ok=True)
                 path = previews / f"{item.nickname}_{width}x{height}_{done}.png"
-                to_pil(pixels).save(path)
+                image = to_pil(pixels)
+                image.save(path, compress_level=1)  # one per denoising step: fast compression, still lossless
                 if self.on_preview is not None:
-                    self.on_preview(PreviewImage(item.nickname, item.prompt, (width, height), done, path), step)
+                    self.on_preview(PreviewImage(item.nickname, item.prompt, (width, height), done, path, image),
+                                    step)
 
         return callback
+
+
+@contextlib.contextmanager
+def _float32_decode(vae):
+    """While inside: ``vae.decode`` (as the pipeline calls it, under the run's autocast) runs in float32 with
+    autocast off. For the CPU, where a bf16-autocast convolution is many times slower than the float32 one and the
+    VAE's weights are float32 anyway."""
+    decode = vae.decode
+
+    def float32_decode(latents, *args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return decode(latents.to(vae.dtype), *args, **kwargs)
+
+    vae.decode = float32_decode
+    try:
+        yield
+    finally:
+        del vae.decode  # the class's method again

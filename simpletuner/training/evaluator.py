@@ -6,7 +6,8 @@
     evaluator.on_step(global_step, transformer, loss=..., lr=...)   # after every optimizer step
     evaluator.on_end(global_step, transformer)        # final validation, trackers closed
 
-Every ``validation_steps`` it generates the validation images (with previews and CLIP scores); every
+Every ``validation_steps`` it generates the validation images (with previews, written beside them, logged to the
+trackers and sent over webhooks when there are any, and CLIP scores); every
 ``eval_steps_interval`` it measures the eval loss. Train loss and lr go to the trackers every step; each step with
 validation or evaluation also sends one ``scores`` event holding all of that step's metrics. Images, trackers and
 webhook events come from the main process only; the other processes wait.
@@ -31,6 +32,7 @@ from simpletuner.evaluation.validation import (
     ValidationRunner,
     inference_mode,
     preserve_rng_state,
+    preview_strips,
 )
 
 log = logging.getLogger("simpletuner.evaluation")
@@ -65,13 +67,10 @@ class Evaluator:
         if wants_validation and not self.prompts:
             log.warning("validation_steps is set but there is no validation_prompt or user_prompt_library: "
                         "no validation images will be made")
-        if config.validation_preview:
-            if not self.validating:
-                raise ValueError("validation_preview: needs validation images (validation_steps or "
-                                 "validation_on_startup, and a validation_prompt or user_prompt_library)")
-            if not reporter.enabled:
-                raise ValueError("validation_preview: previews are sent as webhook events, and no webhook is "
-                                 "configured; set webhook_config or run the job from the server")
+        # previews are written beside the validation images and logged to the trackers; webhooks get them too
+        if config.validation_preview and not self.validating:
+            raise ValueError("validation_preview: needs validation images (validation_steps or "
+                             "validation_on_startup, and a validation_prompt or user_prompt_library)")
         self.clip = config.evaluation_type == "clip"
         if self.clip and not self.validating:
             log.warning("evaluation_type 'clip' scores validation images, and validation is off: no CLIP scores")
@@ -101,6 +100,7 @@ class Evaluator:
         self._last_validated: int | None = None
         self.ema = None  # set by attach(): the EMA of the trained weights (use_ema)
         self.optimizer = None
+        self._previews: list[PreviewImage] = []
         self._last_evaluated: int | None = None
         if trackers is None and self.is_main:
             with preserve_rng_state():  # a tracker library drawing random ids must not shift the training RNG
@@ -300,7 +300,9 @@ class Evaluator:
 
     def validate(self, step: int, model) -> dict[str, float]:
         """Generate, save and send the validation images of ``step`` (with the trained weights, the EMA weights or
-        both, as ``ema_validation`` says); returns their CLIP scores (if on)."""
+        both, as ``ema_validation`` says); returns their CLIP scores (if on). Previews go to the trackers as one
+        strip per image."""
+        self._previews = []
         mode = self.config.ema_validation if self.ema is not None else "none"
         images = [] if mode == "ema_only" else self.runner().run(model, self.prompts, self.resolutions, step)
         if mode in ("ema_only", "comparison"):
@@ -312,6 +314,11 @@ class Evaluator:
         if self.trackers is not None:
             self.trackers.log_images({f"validation/{im.name}": im.image for im in images}, step,
                                      captions={f"validation/{im.name}": im.prompt for im in images})
+            strips = preview_strips(self._previews)
+            if strips:
+                self.trackers.log_images({f"preview/{name}": strip for name, (strip, _) in strips.items()}, step,
+                                         captions={f"preview/{name}": caption for name, (_, caption) in strips.items()})
+        self._previews = []
         return self.clip_scores(images) if self.clip and images else {}
 
     def validation_conditioning(self) -> dict[str, torch.Tensor]:
@@ -347,6 +354,7 @@ class Evaluator:
                             resolution=image.resolution, video_path=image.video_path)
 
     def _send_preview(self, preview: PreviewImage, step: int) -> None:
+        self._previews.append(preview)
         self.reporter.image("preview", step, preview.path, prompt=preview.prompt, nickname=preview.nickname,
                             resolution=preview.resolution, inference_step=preview.inference_step)
 

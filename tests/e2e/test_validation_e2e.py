@@ -172,7 +172,8 @@ def test_trackers_hold_the_metrics(run):
     assert sorted(tb["train/lr"]) == list(range(1, STEPS + 1))
     for key in ("eval/loss", "eval/loss_sigma_0.5", "clip_score/mean", "clip_score/Red_Square"):
         assert tb[key] == pytest.approx({s: m[key] for s, m in scores.items()}), key
-    assert {"validation/validation_64x64", "validation/Red_Square_64x64"} <= tensorboard_image_tags(logs)
+    assert {"validation/validation_64x64", "validation/Red_Square_64x64", "preview/validation_64x64",
+            "preview/Red_Square_64x64"} <= tensorboard_image_tags(logs)
 
     runs = list((logs / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -191,11 +192,16 @@ def test_training_losses_are_identical_without_validation(run, tmp_path):
     assert not (plain / "validation").exists() and not (plain / "logs").exists()
 
 
-def test_preview_without_a_webhook_is_refused_at_startup(tmp_path):
-    config, output = write_config(tmp_path, validation_steps=5, validation_prompt="a red square",
-                                  validation_preview=True)
+def test_previews_without_a_webhook_are_written_and_logged(tmp_path):
+    """A CLI run with no server: previews land beside the validation images and reach the trackers as one strip per
+    image (its previews side by side, in denoising order)."""
+    config, output = write_config(tmp_path, max_train_steps=2, lr_warmup_steps=0, validation_steps=2,
+                                  validation_prompt="a red square",
+                                  validation_resolution="64", validation_num_inference_steps=2,
+                                  validation_preview=True, validation_preview_steps=1, report_to="tensorboard",
+                                  tracker_run_name="nohook")
     env = {k: v for k, v in SERIAL.items() if not k.startswith("SIMPLETUNER_WEBHOOK")}
-    proc = simpletuner("train", "--config", str(config), env=env, check=False)
-    assert proc.returncode != 0
-    assert "validation_preview" in proc.stderr and "webhook" in proc.stderr
-    assert not (output / "training_log.jsonl").exists()
+    simpletuner("train", "--config", str(config), env=env)
+    previews = output / "validation" / "step_2" / "previews"
+    assert sorted(p.name for p in previews.glob("*.png")) == ["validation_64x64_1.png", "validation_64x64_2.png"]
+    assert "preview/validation_64x64" in tensorboard_image_tags(output / "logs")

@@ -22,8 +22,6 @@ def _kinds(reporter):
 @pytest.mark.parametrize("overrides, enabled, message", [
     ({"validation_preview": True}, True, "validation_preview: needs validation images"),
     ({"validation_preview": True, "validation_steps": 5}, True, "validation_preview: needs validation images"),
-    ({"validation_preview": True, "validation_steps": 5, "validation_prompt": "a"}, False,
-     "validation_preview: previews are sent as webhook events"),
     ({"validation_steps": 5, "validation_prompt": "a", "validation_resolution": "40"}, True,
      "validation_resolution: 40x40 is not a multiple of 16"),
 ])
