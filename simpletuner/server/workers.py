@@ -433,7 +433,7 @@ class Fleet:
                 AssignmentRow.status.in_((*ACTIVE, "stopping"))))
             codes = list(s.scalars(select(AssignmentRow.exit_code).where(
                 AssignmentRow.job_id == a.job_id, AssignmentRow.attempt == a.attempt,
-                AssignmentRow.status == "finished")))
+                AssignmentRow.status == "finished").order_by(AssignmentRow.finished_at, AssignmentRow.id)))
             worker = s.get(WorkerRow, worker_id)
             if current:
                 self.manager.record(s, job, "job", {"status": "running", "attempt": job.attempt,
