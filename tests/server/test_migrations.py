@@ -50,17 +50,17 @@ def test_a_sqlite_file_from_before_migrations_keeps_loading(tmp_path):
     path = tmp_path / "old.db"
     con = sqlite3.connect(path)
     con.executescript("""
-        CREATE TABLE configs (id INTEGER PRIMARY KEY, name VARCHAR(200) NOT NULL, description TEXT NOT NULL,
-            current_version INTEGER NOT NULL, created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL);
+        CREATE TABLE configs (id INTEGER NOT NULL, name VARCHAR(200) NOT NULL, description TEXT NOT NULL,
+            current_version INTEGER NOT NULL, created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, PRIMARY KEY (id));
         CREATE UNIQUE INDEX ix_configs_name ON configs (name);
-        CREATE TABLE jobs (id INTEGER PRIMARY KEY, name VARCHAR(200) NOT NULL, status VARCHAR(16) NOT NULL,
+        CREATE TABLE jobs (id INTEGER NOT NULL, name VARCHAR(200) NOT NULL, status VARCHAR(16) NOT NULL,
             priority INTEGER NOT NULL, config_name VARCHAR(200), config_version INTEGER, train_config JSON NOT NULL,
             data_backends JSON NOT NULL, prompt_library JSON, num_processes INTEGER NOT NULL,
             retry_on_restart BOOLEAN NOT NULL, submitted_at FLOAT NOT NULL, started_at FLOAT, finished_at FLOAT,
             attempt INTEGER NOT NULL, run_dir TEXT, owner VARCHAR(200), owner_host VARCHAR(200), owner_pid INTEGER,
             heartbeat_at FLOAT, pid INTEGER, pgid INTEGER, devices VARCHAR(200), webhook_secret VARCHAR(100),
             cancel_requested BOOLEAN NOT NULL, exit_code INTEGER, reason TEXT, error TEXT, log_tail TEXT,
-            progress JSON, results JSON);
+            progress JSON, results JSON, PRIMARY KEY (id));
         CREATE INDEX ix_jobs_status ON jobs (status);
         CREATE INDEX ix_jobs_status_priority ON jobs (status, priority, id);
         INSERT INTO jobs (name, status, priority, train_config, data_backends, num_processes, retry_on_restart,
