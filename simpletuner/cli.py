@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
     "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
     "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),
+    "worker": ("simpletuner.server.agent", "run a server's jobs on this machine (claims, heartbeats, launches)"),
+    "workers": ("simpletuner.server.workers_cli", "list a server's workers; create, list and revoke worker tokens"),
     "configure": ("simpletuner.config.wizard", "interactive wizard that writes config/config.json"),
 }
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from simpletuner.config.launch import die_with_parent_from_env
 from simpletuner.training import cli
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env()  # a worker's run: no trainer outlives its launcher
     parser = argparse.ArgumentParser(prog="python -m simpletuner.train", allow_abbrev=False)
     cli.add_arguments(parser)
     args, args.config_flags = parser.parse_known_args(argv)
-    args.num_processes = 1  # already launched by accelerate when run this way
+    args.num_processes, args.num_machines = 1, 1  # already launched by accelerate when run this way
     return cli.run(args)
 
 

@@ -47,7 +47,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """Build the server: database (tables created if missing), token, job manager, routes."""
     from fastapi.staticfiles import StaticFiles
 
-    from .routes import configs, datasets, events, jobs, schema, system, ui
+    from .routes import configs, datasets, events, jobs, schema, system, ui, workers
 
     settings = settings or ServerSettings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +119,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(jobs.router, dependencies=auth)
     app.include_router(datasets.router, dependencies=auth)
     app.include_router(schema.router, dependencies=auth)
+    app.include_router(workers.router)  # per-route auth: API token for tokens, worker tokens for workers
     app.include_router(ui.router)  # the web UI's pages, "/" included
     app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
     app.add_middleware(RequestGuard, settings=settings)

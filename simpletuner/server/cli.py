@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-jobs-on-exit", action="store_true",
                         help="cancel running jobs when the server stops (default: they keep running and the "
                              "next start adopts them)")
+    parser.add_argument("--no-local-worker", dest="local_worker", action="store_false",
+                        help="run no jobs on this machine: only `simpletuner worker`s claim them")
+    parser.add_argument("--runs-dir", type=Path, default=None,
+                        help="where run dirs live (default DATA_DIR/runs); with workers on other machines, a path "
+                             "on shared storage that every worker mounts at the same place")
+    parser.add_argument("--worker-lease", type=float, default=30.0,
+                        help="seconds a worker may go without a heartbeat before its jobs are re-queued (default 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -70,6 +77,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         cancel_grace=args.cancel_grace,
         stop_jobs_on_shutdown=args.stop_jobs_on_exit,
         job_command=_job_command_from_env(),
+        local_worker=args.local_worker,
+        runs_dir=args.runs_dir,
+        worker_lease=args.worker_lease,
     )
 
 

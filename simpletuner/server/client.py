@@ -147,7 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="override a config key (value parsed as JSON if it can be); repeatable")
     p.add_argument("--name", default="")
     p.add_argument("--priority", type=int, default=0, help="higher runs first")
-    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--num-processes", type=int, default=1, help="processes over all machines (default 1)")
+    p.add_argument("--num-machines", type=int, default=1,
+                   help="machines the job spans: that many workers run it at once (default 1)")
     p.add_argument("--retry-on-restart", action="store_true",
                    help="re-queue instead of failing if the server restarts mid-run")
     p.add_argument("--max-retries", type=int, default=0,
@@ -199,6 +201,7 @@ def _read_json(path: Path, what: str) -> Any:
 
 def build_submit_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"name": args.name, "priority": args.priority, "num_processes": args.num_processes,
+                            "num_machines": args.num_machines,
                             "retry_on_restart": args.retry_on_restart, "max_retries": args.max_retries}
     overrides = _parse_set(args.set)
     if args.config_name:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -25,6 +26,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+logger = logging.getLogger("simpletuner.server.db")
 
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -81,7 +84,12 @@ class JobRow(Base):
     train_config: Mapped[dict] = mapped_column(JSON)
     data_backends: Mapped[list] = mapped_column(JSON)
     prompt_library: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    num_processes: Mapped[int] = mapped_column(Integer, default=1)
+    num_processes: Mapped[int] = mapped_column(Integer, default=1)  # over all machines, as accelerate counts
+    # A job on several machines runs on that many workers at once (gang-scheduled, one machine rank each);
+    # rank 0's rendezvous address is set when the gang is formed.
+    num_machines: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    main_process_ip: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    main_process_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     retry_on_restart: Mapped[bool] = mapped_column(Boolean, default=False)
     # Automatic retries after a trainer crash (each resumes from the newest checkpoint), and how many were used.
     max_retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -146,9 +154,22 @@ class Database:
         self._write = sessionmaker(self.engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False)
 
     def create_all(self) -> None:
-        """Create missing tables and add columns that newer versions added (a database is never rebuilt)."""
+        """Bring the database to the newest schema with the Alembic migrations (a database is never rebuilt; a
+        SQLite file from before migrations is taken over as it is). Tables or columns a model declares that no
+        migration creates yet are added too, with a warning naming them."""
+        from . import migrations, workers  # noqa: F401 (workers: its tables join Base.metadata)
+
+        migrations.upgrade(self.engine)
+        before = {t: {c["name"] for c in inspect(self.engine).get_columns(t)}
+                  for t in inspect(self.engine).get_table_names()}
         Base.metadata.create_all(self.engine)
         self._add_missing_columns()
+        after = {t: {c["name"] for c in inspect(self.engine).get_columns(t)}
+                 for t in inspect(self.engine).get_table_names()}
+        drift = sorted({f"{t}.{c}" for t, cols in after.items() for c in cols - before.get(t, set())})
+        if drift:
+            logger.warning("schema: %s created outside the migrations; add a revision under "
+                           "simpletuner/server/migrations/versions", ", ".join(drift))
 
     def _add_missing_columns(self) -> None:
         inspector = inspect(self.engine)

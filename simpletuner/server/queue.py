@@ -25,12 +25,14 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from simpletuner.config import paths
+from simpletuner.config.launch import LaunchSpec, accelerate_command
 
 from . import rundir
 from .broker import EventBroker
 from .db import FINISHED, Database, JobEventRow, JobRow, now
 from .settings import ServerSettings, hostname
 from .validation import _canon, absolutize_backends
+from .workers import WORKER_PREFIX, Fleet
 
 logger = logging.getLogger("simpletuner.server.queue")
 
@@ -50,6 +52,16 @@ class Running:
     killed: bool = False
     log_file: Any = None
     waiter: threading.Thread | None = None
+
+
+@dataclass
+class PreparedRun:
+    """A job attempt's run dir, written: the frozen config, data backends and prompt library."""
+
+    run_dir: Path
+    config_path: Path
+    resume_step: int | None = None  # a retry continues from this checkpoint
+    archived: str | None = None  # a retry that starts over moved the previous output here
 
 
 @dataclass
@@ -179,6 +191,8 @@ class JobManager:
         self._last_orphan_check = 0.0
         self.started_at = time.time()
         self.launch_latency: dict[int, float] = {}
+        self.fleet = Fleet(settings, db, self)
+        self._last_lease_check = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +236,9 @@ class JobManager:
             self._heartbeat()
         if t - self._last_orphan_check >= max(2 * self.settings.heartbeat_interval, 5.0):
             self.reconcile()
+        if t - self._last_lease_check >= min(1.0, self.settings.worker_lease / 4):
+            self._last_lease_check = t
+            self.fleet.expire()  # workers that stopped heart-beating: their jobs go back to the queue
         while not self._stop.is_set() and self._start_next():
             pass
 
@@ -251,7 +268,9 @@ class JobManager:
     def cost(self, num_processes: int) -> int:
         return num_processes if self.accelerators else 1
 
-    def capacity_problem(self, num_processes: int) -> str | None:
+    def capacity_problem(self, num_processes: int, num_machines: int = 1) -> str | None:
+        if num_machines > 1 or not self.settings.local_worker or self.fleet.online_count():
+            return None  # workers on other machines run it (a job no worker fits waits for one that does)
         if self.accelerators and num_processes > len(self.accelerators):
             return f"needs {num_processes} accelerators; this server has {len(self.accelerators)}"
         return None
@@ -353,17 +372,20 @@ class JobManager:
         return [d for d in self.accelerators if d not in used]
 
     def _start_next(self) -> bool:
-        if len(self.procs) >= self.max_concurrent:
+        """The server's own machine is one worker among the others: it claims single-machine jobs that fit it."""
+        if not self.settings.local_worker or len(self.procs) >= self.max_concurrent:
             return False
         free = self._free_devices()
         with self.db.session() as s:
             candidates = s.execute(
                 select(JobRow.id, JobRow.num_processes)
-                .where(JobRow.status == "queued")
+                .where(JobRow.status == "queued", JobRow.num_machines <= 1)
                 .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id)
                 .limit(20)
             ).all()
         for job_id, num_processes in candidates:
+            if self.accelerators and num_processes > len(self.accelerators) and self.fleet.online_count():
+                continue  # too big for this machine: a worker with more devices takes it
             problem = self.capacity_problem(num_processes)
             if problem:
                 self._fail_queued(job_id, problem)
@@ -416,11 +438,15 @@ class JobManager:
         self.broker.notify()
 
     def run_dir_for(self, job_id: int) -> Path:
-        return self.settings.data_dir / "runs" / f"job-{job_id}"
+        return self.settings.resolved_runs_dir() / f"job-{job_id}"
 
-    def plan(self, job: JobRow, devices: list[str]) -> LaunchPlan:
-        """Write the run dir (frozen config, data backends, prompt library) and build the command."""
+    def prepare_run(self, job: JobRow, write: bool = True) -> PreparedRun:
+        """Write the run dir of the job's current attempt (frozen config, data backends, prompt library); with
+        ``write=False`` only say where it is (another machine of the job wrote it)."""
         run_dir = self.run_dir_for(job.id)
+        if not write:
+            newest = rundir.newest_checkpoint(run_dir / "output") if job.attempt > 1 else None
+            return PreparedRun(run_dir, run_dir / "config.json", newest[0] if newest else None)
         archived = rundir.prepare_attempt(run_dir, job.attempt, bool(job.start_over)) if job.attempt > 1 else None
         (run_dir / "output").mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in (job.train_config or {}).items()
@@ -436,8 +462,12 @@ class JobManager:
         backends = absolutize_backends(job.data_backends or [], self.settings.workdir)
         (run_dir / "multidatabackend.json").write_text(json.dumps(backends, indent=2))
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+        return PreparedRun(run_dir, run_dir / "config.json", newest[0] if newest else None, archived)
 
-        config_path = run_dir / "config.json"
+    def plan(self, job: JobRow, devices: list[str]) -> LaunchPlan:
+        """Write the run dir and build the command that runs the job on this machine."""
+        prepared = self.prepare_run(job)
+        run_dir, config_path = prepared.run_dir, prepared.config_path
         n = max(1, int(job.num_processes or 1))
         if self.settings.job_command:
             fmt = {"python": sys.executable, "config": str(config_path), "run_dir": str(run_dir),
@@ -446,13 +476,8 @@ class JobManager:
         elif self.settings.launcher == "python" and n == 1:
             cmd = [sys.executable, "-m", "simpletuner.train", "--config", str(config_path)]
         else:
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n),
-                   "--num_machines", "1", "--dynamo_backend", "no"]
-            if n > 1:
-                cmd.append("--multi_gpu")
-            elif not self.accelerators:
-                cmd.append("--cpu")
-            cmd += ["-m", "simpletuner.train", "--config", str(config_path)]
+            cmd = accelerate_command(LaunchSpec(num_processes=n, use_cpu=not self.accelerators),
+                                     ["--config", str(config_path)])
 
         env = {k: v for k, v in os.environ.items() if k != "SIMPLETUNER_API_TOKEN"}
         env.update(
@@ -469,7 +494,7 @@ class JobManager:
         elif not self.accelerators:
             env["ACCELERATE_USE_CPU"] = "1"
         return LaunchPlan(cmd=cmd, env=env, cwd=self.settings.workdir, run_dir=run_dir, devices=devices,
-                          resume_step=newest[0] if newest else None, archived=archived)
+                          resume_step=prepared.resume_step, archived=prepared.archived)
 
     def _launch(self, job_id: int, devices: list[str]) -> None:
         t0 = time.perf_counter()
@@ -556,6 +581,28 @@ class JobManager:
         if status == "failed" and self._retry_after_crash(run.job_id, reason, exit_code, results):
             return
         self._finish(run.job_id, status=status, reason=reason, exit_code=exit_code, results=results)
+
+    def complete_remote(self, job_id: int, attempt: int, exit_code: int | None, log_tail: str | None = None) -> None:
+        """Every machine of a job that workers ran has ended (``exit_code``: the first failing machine's, else
+        0): succeeded, cancelled, re-queued by ``max_retries``, or failed."""
+        with self.db.session() as s:
+            job = s.get(JobRow, job_id)
+        if job is None or job.status != "running" or job.attempt != attempt:
+            return
+        results = {**(job.results or {}), **self._collect_results(job)}
+        if job.cancel_requested:
+            status, reason = "cancelled", "cancelled by user"
+        elif exit_code == 0:
+            status, reason = "succeeded", None
+        else:
+            status, reason = "failed", f"trainer exited with code {exit_code} on a worker"
+        if status == "failed" and self._retry_after_crash(job_id, reason, exit_code, results):
+            return
+        self._finish(job_id, status=status, reason=reason, exit_code=exit_code, results=results)
+        if log_tail and status == "failed":
+            with self.db.session(write=True) as s:
+                row = s.get(JobRow, job_id)
+                row.log_tail = row.log_tail or log_tail
 
     def _collect_results(self, job: JobRow) -> dict:
         out: dict[str, Any] = {}
@@ -660,6 +707,8 @@ class JobManager:
     def _orphaned(self, job: JobRow, t: float) -> bool:
         if job.owner == self.server_id:
             return False  # ours: the scheduler thread tracks it (claim and launch happen on that thread)
+        if (job.owner or "").startswith(WORKER_PREFIX):
+            return False  # a worker's: its lease says whether it lives (Fleet.expire)
         stale = job.heartbeat_at is None or t - job.heartbeat_at > self.settings.orphan_timeout
         if job.owner_host == self.host:
             return stale or not pid_alive(job.owner_pid) or job.owner_pid == self.pid
@@ -746,4 +795,5 @@ class JobManager:
             "max_concurrent": self.max_concurrent,
             "accelerators": self.accelerators,
             "running_here": sorted(self.procs),
+            "local_worker": self.settings.local_worker,
         }

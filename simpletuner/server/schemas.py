@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,6 +13,7 @@ JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 EventType = Literal[EVENT_TYPES]  # the wire contract's event types
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 MAX_ID = 2**62  # keeps ids inside every SQL backend's 64-bit integer
+Annotated_str = Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9:._-]+$")]
 
 
 class FieldErrorOut(BaseModel):
@@ -116,7 +117,9 @@ class JobCreate(BaseModel):
     prompt_library: dict[str, str] | None = None
     overrides: dict[str, Any] | None = Field(None, description="keys merged over the train config")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first; ties run in submission order")
-    num_processes: int = Field(1, ge=1, le=64, description="processes for accelerate launch")
+    num_processes: int = Field(1, ge=1, le=512, description="processes for accelerate launch, over all machines")
+    num_machines: int = Field(1, ge=1, le=64, description="machines the job spans: that many workers run it at "
+                                                          "once (gang-scheduled), one machine rank each")
     retry_on_restart: bool = Field(False, description="re-queue (rather than fail) if the server restarts mid-run")
     max_retries: int = Field(0, ge=0, le=100, description="automatic retries after a trainer crash; each resumes "
                                                            "from the newest checkpoint")
@@ -127,6 +130,9 @@ class JobCreate(BaseModel):
             raise ValueError("give either config_name or train_config (not both)")
         if self.config_name is None and self.config_version is not None:
             raise ValueError("config_version needs config_name")
+        if self.num_processes % self.num_machines:
+            raise ValueError(f"num_processes: {self.num_processes} processes do not divide evenly over "
+                             f"num_machines={self.num_machines} (each machine runs the same number)")
         return self
 
 
@@ -148,6 +154,9 @@ class JobOut(BaseModel):
     config_name: str | None = None
     config_version: int | None = None
     num_processes: int
+    num_machines: int = 1
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
     retry_on_restart: bool
     max_retries: int = 0
     retries: int = Field(0, description="automatic retries used (after trainer crashes)")
@@ -282,3 +291,91 @@ class DatasetScan(BaseModel):
     images_with_captions: int = 0
     subdirs: int = 0
     examples: list[str] = []
+
+
+# ---- workers ------------------------------------------------------------------------------------------
+class WorkerTokenCreate(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN, max_length=200, description="who or what the token is for")
+
+
+class WorkerTokenOut(BaseModel):
+    id: int
+    name: str
+    created_at: float
+    revoked_at: float | None = None
+    last_used_at: float | None = None
+
+
+class WorkerTokenCreated(WorkerTokenOut):
+    token: str = Field(description="shown once: give it to `simpletuner worker --token-file`")
+
+
+class WorkerRegister(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN, max_length=200)
+    host: str = Field(max_length=200)
+    address: str | None = Field(None, max_length=200, description="where other machines reach this one for a "
+                                                                  "multi-machine job's rendezvous (default: the "
+                                                                  "address the server sees)")
+    devices: list[Annotated_str] = Field(default_factory=list, max_length=64, description="accelerator ids")
+    slots: int | None = Field(None, ge=1, le=1024, description="jobs at once (default: one per device, 1 on CPU)")
+    replaces: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="this worker's id before a restart")
+    info: dict[str, Any] | None = None
+
+
+class WorkerRegistered(BaseModel):
+    id: str
+    lease_seconds: float
+    heartbeat_interval: float
+    address: str
+
+
+class HeartbeatOut(BaseModel):
+    lease_expires_at: float
+    stop: list[dict[str, Any]] = Field(description="assignments to stop: {assignment_id, job_id, reason}")
+
+
+class ClaimRequest(BaseModel):
+    port: int | None = Field(None, ge=1, le=65535, description="a free port here, in case this worker leads a "
+                                                              "multi-machine job's rendezvous")
+
+
+class ClaimOut(BaseModel):
+    assignment_id: int
+    job_id: int
+    attempt: int
+    machine_rank: int
+    num_machines: int
+    num_processes: int
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    run_dir: str
+    config: str
+    webhook_secret: str | None = None
+    allowed_roots: list[str]
+    resume_step: int | None = None
+
+
+class AssignmentStarted(BaseModel):
+    pid: int | None = Field(None, ge=1, le=2**31)
+    devices: list[Annotated_str] = Field(default_factory=list, max_length=64)
+
+
+class AssignmentFinished(BaseModel):
+    exit_code: int | None = Field(None, ge=-(2**31), le=2**31)
+    log_tail: str | None = Field(None, max_length=64 * 1024)
+
+
+class WorkerOut(BaseModel):
+    id: str
+    name: str
+    host: str
+    address: str
+    devices: list[str]
+    slots: int
+    reserved: int
+    status: str
+    registered_at: float | None = None
+    heartbeat_at: float | None = None
+    lease_expires_at: float | None = None
+    jobs: list[dict[str, Any]] = []
+    local: bool = False

@@ -70,6 +70,13 @@ class ServerSettings:
     max_request_bytes: int = 8 * 1024 * 1024  # any other request body
     sse_keepalive: float = 15.0
     run_scheduler: bool = True
+    # The server's own machine runs jobs too (one worker among the others); off: only `simpletuner worker`s do.
+    local_worker: bool = True
+    # Run dirs (config, checkpoints, outputs, logs); workers on other machines must reach the same path
+    # (shared storage). None: DATA_DIR/runs.
+    runs_dir: Path | None = None
+    worker_lease: float = 30.0  # a worker that has not heart-beaten this long is lost; its jobs are re-queued
+    gang_start_timeout: float = 120.0  # a multi-machine job whose machines have not all started by then re-queues
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -79,6 +86,9 @@ class ServerSettings:
     # ---- derived values -------------------------------------------------------------------
     def resolved_db_url(self) -> str:
         return self.db_url or f"sqlite:///{self.data_dir / 'simpletuner.db'}"
+
+    def resolved_runs_dir(self) -> Path:
+        return Path(self.runs_dir).expanduser().resolve() if self.runs_dir else self.data_dir / "runs"
 
     def resolved_accelerators(self) -> list[str]:
         if self.accelerators is None:

@@ -3,7 +3,8 @@
 Any config key can be given as a flag, as on SimpleTuner's command line (``--lora_rank=4``, ``--seed 42``, a bare
 ``--gradient_checkpointing`` for true); flags and ``--set key=value`` win over the file. Nothing is written before
 both configs validate and the packages the options need are found. With ``--num_processes N`` (N > 1) the same
-trainer is started under ``accelerate launch`` with N processes.
+trainer is started under ``accelerate launch`` with N processes; with ``--num_machines M`` the same command runs on
+each of M machines with its ``--machine_rank`` and rank 0's ``--main_process_ip``/``--main_process_port``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import subprocess
 import sys
 
+from simpletuner.config.launch import LaunchSpec, accelerate_command, launch_env
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="config/config.json", help="config.json (default: %(default)s)")
@@ -21,7 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set max_train_steps=10 (repeatable)")
     parser.add_argument("--num_processes", type=int, default=1,
-                        help="processes to launch with accelerate (one per GPU); default 1")
+                        help="processes to launch with accelerate, over all machines (one per GPU); default 1")
+    parser.add_argument("--num_machines", type=int, default=1,
+                        help="machines the run spans (run the same command on each with its --machine_rank)")
+    parser.add_argument("--machine_rank", type=int, default=0, help="this machine's rank (0 = the main one)")
+    parser.add_argument("--main_process_ip", default=None, help="rank 0's address (several machines)")
+    parser.add_argument("--main_process_port", type=int, default=None, help="rank 0's rendezvous port")
 
 
 def parse_overrides(items: list[str], config_flags: list[str] | None = None) -> dict:
@@ -78,24 +86,24 @@ def load_configs(config_path: str, data_backend_config: str | None, overrides: d
     return loaded, backends
 
 
+def launch_spec(args) -> LaunchSpec:
+    return LaunchSpec(num_processes=args.num_processes, num_machines=getattr(args, "num_machines", 1),
+                      machine_rank=getattr(args, "machine_rank", 0),
+                      main_process_ip=getattr(args, "main_process_ip", None),
+                      main_process_port=getattr(args, "main_process_port", None), use_cpu=not _has_cuda())
+
+
 def launch_command(args) -> list[str]:
-    """``accelerate launch`` of ``python -m simpletuner.train`` with the same arguments, one process per rank."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes),
-           "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "simpletuner.train", "--config", args.config]
+    """``accelerate launch`` of ``python -m simpletuner.train`` with the same arguments (the shared launcher)."""
+    train_args = ["--config", args.config]
     if args.data_backend_config:
-        cmd += ["--data_backend_config", args.data_backend_config]
+        train_args += ["--data_backend_config", args.data_backend_config]
     for item in args.set:
-        cmd += ["--set", item]
-    return cmd + list(getattr(args, "config_flags", None) or [])
-
-
-def launch_env() -> dict[str, str]:
-    env = os.environ.copy()
-    if not _has_cuda():
-        # without GPUs, `--cpu` silently runs one process; this gives real gloo ranks instead
-        env["ACCELERATE_USE_CPU"] = "1"
-    return env
+        train_args += ["--set", item]
+    try:
+        return accelerate_command(launch_spec(args), train_args + list(getattr(args, "config_flags", None) or []))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _has_cuda() -> bool:
@@ -119,8 +127,9 @@ def run(args) -> int:
     overrides = parse_overrides(args.set, getattr(args, "config_flags", None))
     loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
     check_packages(loaded.config)
-    if args.num_processes > 1:
-        return subprocess.call(launch_command(args), env=launch_env())
+    if args.num_processes > 1 or getattr(args, "num_machines", 1) > 1:
+        cmd = launch_command(args)
+        return subprocess.call(cmd, env=launch_env(launch_spec(args)))
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from simpletuner.config import ConfigError

@@ -6,7 +6,7 @@ reports through the real WebhookReporter, and behaves as ``tracker_run_name`` sa
 - ``hang``: report running, then sleep until killed (ignores nothing; SIGTERM exits 143 like the trainer)
 - ``stubborn``: like hang but ignores SIGTERM (needs SIGKILL), and starts a child in its process group
 - ``flood``: ``max_train_steps`` progress events as fast as possible (benchmarks)
-- ``resume``: checkpoints like the trainer (``checkpoint-N`` every ``checkpointing_steps``, continues from the
+- ``resume``: checkpoints like the trainer (each step takes ``$SIMPLETUNER_FAKE_STEP_SECONDS``) (``checkpoint-N`` every ``checkpointing_steps``, continues from the
   newest one when ``resume_from_checkpoint`` is "latest") and kills itself (SIGKILL) at the step that
   ``tracker_project_name`` names: ``crash-at-5`` once per run, ``crash-always-at-5`` on every attempt
 """
@@ -38,7 +38,9 @@ def resumable(cfg: dict, out: Path, steps: int, reporter) -> int:
     done = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "training_state.json").exists())
     start = done[-1] if done and cfg.get("resume_from_checkpoint") == "latest" else 0
     print(f"fake trainer: starting at step {start}", flush=True)
+    pause = float(os.environ.get("SIMPLETUNER_FAKE_STEP_SECONDS") or 0)  # e2e drills: time to kill mid-run
     for step in range(start + 1, steps + 1):
+        time.sleep(pause)
         with (out / "steps.log").open("a") as fh:
             fh.write(f"{step}\n")
         reporter.progress(step, steps, 1.0 / step, 1e-4, 50.0, 0.0)

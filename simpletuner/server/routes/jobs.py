@@ -63,7 +63,7 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
     else:
         train_config, data_backends = dict(body.train_config or {}), list(body.data_backends or [])
         prompt_library, config_name, config_version = body.prompt_library, None, None
-    problem = mgr.capacity_problem(body.num_processes)
+    problem = mgr.capacity_problem(body.num_processes, body.num_machines)
     if problem:
         raise InvalidConfig([FieldProblem("num_processes", problem)])
     # overrides win over every spelling of their key (--key, TRAINER_EXTRA_ARGS), as on the command line
@@ -77,6 +77,7 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
         prompt_library=checked.prompt_library,
         priority=body.priority,
         num_processes=body.num_processes,
+        num_machines=body.num_machines,
         retry_on_restart=body.retry_on_restart,
         max_retries=body.max_retries,
     )
