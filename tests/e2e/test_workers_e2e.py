@@ -38,8 +38,9 @@ def _steps(run_dir: str) -> list[int]:
 
 def test_two_workers_share_the_queue_and_a_killed_workers_job_resumes_elsewhere(tmp_path, postgres_url):
     runs = tmp_path / "shared-runs"  # storage both workers reach (here: the same disk)
+    # an 8 s lease: heartbeats (every lease / 3) keep it on a loaded machine
     server = ServerProcess(tmp_path / "server-data", tmp_path, "--db-url", postgres_url, "--no-local-worker",
-                           "--runs-dir", str(runs), "--worker-lease", "8").start()  # 8 s: heartbeats (every lease/3) survive a loaded CI machine
+                           "--runs-dir", str(runs), "--worker-lease", "8").start()
     workers = []
     try:
         token = worker_token(server, tmp_path)
