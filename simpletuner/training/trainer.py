@@ -74,6 +74,7 @@ class TrainData:
     vae_identity: str
     text_identity: str
     latents_encoded: int = 0
+    reference_identity: str = ""  # reference latents' cache identity (the adapter's reference_cache_identity)
     captions_encoded: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # dataset id -> files skipped (unreadable, too short...)
     vae_scale_factor: int = 8  # mask cache keys
@@ -176,12 +177,13 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
 
     vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
     latent_sets: dict[str, list] = {}
+    reference_sets: dict[str, list] = {}
     mask_sets: dict[str, list] = {}
     for b, ds in zip(training_backends, datasets):
         latent_sets.setdefault(b.cache_dir_vae, []).extend(ds.samples)
         for s in ds.samples:
             if s.conditioning is not None:
-                latent_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
+                reference_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
             if s.mask is not None:
                 mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
@@ -192,16 +194,22 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         show = accelerator.is_local_main_process
         latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show,
                                             unreadable=unreadable)
+        latents_encoded += fill_latent_cache(reference_sets, adapter, config.vae_batch_size, show_progress=show,
+                                             unreadable=unreadable, references=True)
         if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
             fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         _drop_unreadable(datasets, unreadable)
-        captions = [s.caption for ds in datasets for s in ds.samples]
+        samples = [s for ds in datasets for s in ds.samples]
+        captions = [s.caption for s in samples]
+        # an edit model whose text encoder sees the reference caches each caption with its sample's reference
+        references = [s.conditioning for s in samples] if adapter.prompt_takes_reference else None
         if config.caption_dropout_probability:
-            captions.append("")
+            captions += [""] * (len(samples) if references is not None else 1)
+            references = references + references if references is not None else None
         if config.offload_during_startup:
             adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
-                                           show_progress=show)
+                                           show_progress=show, references=references)
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
@@ -215,7 +223,8 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                                f"({len(ds.skipped)} skipped)")
     sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
     data = TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded,
-                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8)
+                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8,
+                     reference_identity=adapter.reference_cache_identity() if reference_sets else "")
     data.skipped = {ds.dataset_id: len(ds.skipped) for ds in datasets}
     return data
 
@@ -323,14 +332,16 @@ def load_batch(batch, data: TrainData, config, generator: torch.Generator, devic
     if config.caption_dropout_probability:
         drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-    cond = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
-                                  for c in captions])
+    with_reference = adapter.prompt_takes_reference  # each caption was encoded with its sample's reference
+    cond = TextEmbedding.collate([
+        TextEmbedding(data.text_cache.load(text_key(c, data.text_identity, s.conditioning if with_reference else None)))
+        for c, s in zip(captions, batch)])
     # conditioning cached beside the latents (e.g. Wan I2V's first frame) travels with the text embeddings
     cond.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
     cond.update(adapter.sample_conditioning(batch))
     if batch[0].conditioning is not None:  # every sample of a run with references has one (checked by the config)
         cond["reference_latents"] = torch.stack([
-            cached(s.conditioning, latent_key(s.conditioning, data.vae_identity))["latents"] for s in batch])
+            cached(s.conditioning, latent_key(s.conditioning, data.reference_identity))["latents"] for s in batch])
     mask = None
     if any(s.mask is not None for s in batch):
         mask = torch.stack([cached(s.mask, mask_key(s.mask, data.vae_scale_factor))["mask"] if s.mask is not None
