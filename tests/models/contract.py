@@ -464,9 +464,11 @@ class EditFlavourContract(_Fixtures):
                     {"id": "reference", "dataset_type": "conditioning", "instance_data_dir": str(tmp_path / "edit/reference"),
                      "cache_dir_vae": str(tmp_path / "cache/vae-ref")},
                     {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        # caption dropout: the empty caption is trained beside each reference too
         config = family_config(family, model_flavour=flavour, pretrained_model_name_or_path=adapter.model_path(),
                                output_dir=str(tmp_path / "out"), learning_rate=1e-2, lora_rank=4, train_batch_size=2,
-                               checkpointing_steps=3, data_backend_config=str(tmp_path / "backends.json"))
+                               checkpointing_steps=3, data_backend_config=str(tmp_path / "backends.json"),
+                               caption_dropout_probability=0.5)
         result = train(config, load_data_backends(backends, config=config))
         assert result.global_step == 3 and all(torch.isfinite(torch.tensor(result.losses)))
 
