@@ -208,6 +208,8 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
                 "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
                 "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
+                # full fine-tunes with regularisation data only (tests/e2e/test_regularisation_e2e.py)
+                "regularisation_base_device",
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here
