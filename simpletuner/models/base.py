@@ -369,6 +369,7 @@ class ModelAdapter(metaclass=_AdapterMeta):
         family conditions on that comes from the same pixels (Wan I2V: the first frame's latents and CLIP image
         embedding). Every key but ``latents`` reaches ``predict`` inside its ``text`` dict."""
         return [{"latents": latent} for latent in self.encode_images(pixels)]
+
     # ---- reference images (edit flavours) ---------------------------------------------------------------------
     @property
     def prompt_takes_reference(self) -> bool:

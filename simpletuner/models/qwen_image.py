@@ -149,6 +149,11 @@ class QwenImageAdapter(ModelAdapter):
     def weight_sources(self) -> list[WeightSource]:
         return super().weight_sources() + ([self._processor_weights()] if self.references else [])
 
+    def build_validation_pipeline(self, transformer):
+        """Validation hands the pipeline cached embeddings: no text encoder, tokenizer or processor."""
+        names = ["text_encoder", "tokenizer"] + (["processor"] if self.references else [])
+        return self._pipeline(transformer, dict.fromkeys(names))
+
     def load_pipeline(self, path=None):
         """An edit run's QwenImageEditPipeline gets the processor this adapter loads (see ``load_processor``)."""
         extra = {"processor": self.load_processor()} if self.references else {}

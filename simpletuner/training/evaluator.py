@@ -194,8 +194,8 @@ class Evaluator:
                 fill_mask_cache(masks, self.adapter.vae_scale_factor, show_progress=show_progress)
         batch = self.backends.text_embeds.write_batch_size
         captions = 0
+        with_reference = self.adapter.prompt_takes_reference
         for items, negative in ((self._text_items(), False), (self._negative_items(), True)):
-            with_reference = self.adapter.prompt_takes_reference
             captions += fill_text_cache([c for c, _ in items], self.adapter, self.text_cache, batch,
                                         show_progress=show_progress, negative=negative,
                                         references=[r for _, r in items] if with_reference else None)
