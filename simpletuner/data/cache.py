@@ -193,9 +193,11 @@ def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size
     for start in tqdm(range(0, len(items), batch_size), desc="Caching text embeds", disable=not show_progress):
         chunk = items[start:start + batch_size]
         prompts = [caption for _, (caption, _) in chunk]
-        pixels = None
         if references is not None:
             pixels = [load_pixels(reference) for _, (_, reference) in chunk]
-        for (key, _), embedding in zip(chunk, adapter.encode_text(prompts, pixels, negative=negative)):
+            embeddings = adapter.encode_text(prompts, pixels, negative=negative)
+        else:
+            embeddings = (adapter.encode_negative_prompts if negative else adapter.encode_prompts)(prompts)
+        for (key, _), embedding in zip(chunk, embeddings):
             cache.save(key, embedding.tensors)
     return len(todo)
