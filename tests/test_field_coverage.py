@@ -51,7 +51,7 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "group_offload_blocks_per_group": T, "group_offload_use_stream": T, "group_offload_to_disk_path": T,
     "enable_model_cpu_offload": M, "offload_during_startup": T, "vae_enable_tiling": M,
     "attention_mechanism": T, "compile": T, "use_ema": T, "ema_decay": T, "ema_update_interval": T,
-    "ema_device": T, "ema_validation": E, "tread_config": T, "validation_steps": E, "validation_on_startup": E,
+    "ema_device": T, "regularisation_base_device": T, "ema_validation": E, "tread_config": T, "validation_steps": E, "validation_on_startup": E,
     "validation_prompt": PROMPTS, "validation_negative_prompt": V, "validation_resolution": (E, "validation_resolutions"),
     "validation_guidance": V, "validation_guidance_real": V, "validation_num_inference_steps": V,
     "validation_seed": V, "user_prompt_library": PROMPTS, "validation_preview": E, "validation_preview_steps": V,
@@ -169,12 +169,13 @@ def test_device_refusals_name_the_field(field):
     assert not [e for e in device_errors(config.__dict__, "cuda") if e.path == field]
 
 
-def test_regularisation_data_is_refused_where_it_cannot_act(tmp_path):
+def test_regularisation_data_is_accepted_for_lora_and_full_fine_tunes(tmp_path):
+    """Both model types act on it (tests/training/test_trainer.py: the LoRA switched off, or a frozen base copy)."""
     entries = [{"id": "reg", "instance_data_dir": str(tmp_path), "is_regularisation_data": True},
                {"id": "text", "dataset_type": "text_embeds"}]
-    with pytest.raises(ConfigError, match=r"datasets\[reg\]\.is_regularisation_data: needs model_type 'lora'"):
-        load_data_backends(entries, config=flux_config(model_type="full"))
-    assert load_data_backends(entries, config=flux_config()).datasets[0].is_regularisation_data
+    for model_type in ("lora", "full"):
+        backends = load_data_backends(entries, config=flux_config(model_type=model_type))
+        assert backends.datasets[0].is_regularisation_data
 
 
 def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
@@ -207,6 +208,8 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
                 "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
                 "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
+                # full fine-tunes with regularisation data only (tests/e2e/test_regularisation_e2e.py)
+                "regularisation_base_device",
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

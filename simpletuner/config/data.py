@@ -451,10 +451,6 @@ def load_data_backends(
     backends = parse_data_backends(entries, resolution=resolution, resolution_type=resolution_type, source=name)
     if config is not None:
         errors = reference_errors(backends, config)
-        errors += [FieldError(f"datasets[{d.id}].is_regularisation_data",
-                             "needs model_type 'lora': its target is the base model's own prediction (the adapter "
-                             "switched off), and a full fine-tune has no frozen base to ask")
-                  for d in backends.datasets if d.is_regularisation_data and config.model_type != "lora"]
         if errors:
             raise ConfigError(errors, name)
     return backends

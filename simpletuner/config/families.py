@@ -284,12 +284,14 @@ CHROMA = ModelFamily(
 
 QWEN_IMAGE = ModelFamily(
     name="qwen_image",
-    description="Qwen-Image (20B MMDiT, flow matching, Qwen2.5-VL-7B text encoder)",
+    description="Qwen-Image (20B MMDiT, flow matching, Qwen2.5-VL-7B text encoder; Qwen-Image-Edit)",
     adapter="simpletuner.models.qwen_image:QwenImageAdapter",
-    flavours=MappingProxyType({"v1.0": "Qwen/Qwen-Image", "v2.0": "Qwen/Qwen-Image-2512", "tiny": None}),
+    flavours=MappingProxyType({"v1.0": "Qwen/Qwen-Image", "v2.0": "Qwen/Qwen-Image-2512",
+                               "edit-v1": "Qwen/Qwen-Image-Edit", "tiny": None}),
     default_flavour="v1.0",
     lora_targets=("attention", "all", "context", "context+ffs", "all+ffs"),
     default_lora_target="attention",
+    reference_flavours=("edit-v1",),
 )
 
 

@@ -545,6 +545,11 @@ class TrainConfig(StrictModel):
     ema_device: Literal["cpu", "accelerator"] = _field(
         "cpu", "memory", "where the EMA weights live: 'cpu' saves accelerator memory, 'accelerator' is faster"
     )
+    regularisation_base_device: Literal["accelerator", "cpu"] = _field(
+        "accelerator", "memory", "model_type full with regularisation data: where the frozen copy of the base model "
+                                 "whose predictions are those samples' targets lives; 'cpu' keeps it in CPU memory and "
+                                 "moves one block at a time to the accelerator while it runs (slower)"
+    )
     ema_validation: Literal["none", "ema_only", "comparison"] = _field(
         "comparison", "validation", "validation images with the EMA weights: 'none', 'ema_only', or 'comparison' "
                                     "(both; EMA images are named <nickname>_ema_<size>)"

@@ -44,8 +44,13 @@ def mask_key(sample: Sample, vae_scale_factor: int) -> str:
     return latent_key(sample, f"mask/{vae_scale_factor}")
 
 
-def text_key(caption: str, text_identity: str) -> str:
-    return hashlib.sha256(json.dumps([caption, text_identity]).encode()).hexdigest()
+def text_key(caption: str, text_identity: str, reference: Sample | None = None) -> str:
+    """A caption's embedding; with ``reference``, the caption encoded with that reference image (a family whose
+    prompt embedding sees the image it edits: the file and its preparation are part of the key)."""
+    payload = [caption, text_identity]
+    if reference is not None:
+        payload.append(latent_key(reference, "prompt-reference"))
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -94,13 +99,15 @@ class TensorCache:
 
 
 def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True,
-                      unreadable: list[tuple[Sample, str]] | None = None) -> int:
+                      unreadable: list[tuple[Sample, str]] | None = None, *, references: bool = False) -> int:
     """Encode every sample whose latent is not cached yet; returns how many were encoded.
 
     A file that cannot be decoded is appended to ``unreadable`` as (sample, reason) and left out (with
     ``unreadable=None`` the error is raised instead). The adapter's ``latent_cache_entries`` gives what is stored
-    per sample (the latents, plus any conditioning the family caches beside them)."""
-    identity = adapter.vae_cache_identity()
+    per sample (the latents, plus any conditioning the family caches beside them); with ``references`` the samples
+    are reference images, stored as ``{"latents": adapter.encode_references(...)}`` under the adapter's
+    ``reference_cache_identity``."""
+    identity = adapter.reference_cache_identity() if references else adapter.vae_cache_identity()
     todo: list[tuple[TensorCache, Sample, str]] = []
     for folder, samples in samples_by_cache.items():
         cache = TensorCache(folder)
@@ -134,7 +141,9 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
             group.append(item)
         if not group:
             continue
-        entries = adapter.latent_cache_entries(torch.stack(pixels))
+        batch = torch.stack(pixels)
+        entries = ([{"latents": latent} for latent in adapter.encode_references(batch)] if references
+                   else adapter.latent_cache_entries(batch))
         for (cache, _, key), entry in zip(group, entries):
             cache.save(key, entry)
         encoded += len(group)
@@ -165,18 +174,30 @@ def negative_identity(text_identity: str) -> str:
 
 
 def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True, *,
-                    negative: bool = False) -> int:
+                    negative: bool = False, references: list[Sample] | None = None) -> int:
     """Encode every caption whose embedding is not cached yet (as negative prompts with ``negative``); returns how
-    many were encoded."""
+    many were encoded. ``references`` (one per caption) are the reference images the captions are encoded with, for
+    a family whose prompt embedding sees the image it edits (``adapter.prompt_takes_reference``)."""
     identity = adapter.text_cache_identity()
-    encode = adapter.encode_prompts
     if negative:
-        identity, encode = negative_identity(identity), adapter.encode_negative_prompts
-    todo = sorted({c for c in captions if not cache.has(text_key(c, identity))})
+        identity = negative_identity(identity)
+    pairs = list(zip(captions, references)) if references is not None else [(c, None) for c in captions]
+    todo: dict[str, tuple[str, Sample | None]] = {}
+    for caption, reference in pairs:
+        key = text_key(caption, identity, reference)
+        if key not in todo and not cache.has(key):
+            todo[key] = (caption, reference)
     if not todo:
         return 0
-    for start in tqdm(range(0, len(todo), batch_size), desc="Caching text embeds", disable=not show_progress):
-        chunk = todo[start:start + batch_size]
-        for caption, embedding in zip(chunk, encode(chunk)):
-            cache.save(text_key(caption, identity), embedding.tensors)
+    items = sorted(todo.items(), key=lambda item: (item[1][0], item[0]))
+    for start in tqdm(range(0, len(items), batch_size), desc="Caching text embeds", disable=not show_progress):
+        chunk = items[start:start + batch_size]
+        prompts = [caption for _, (caption, _) in chunk]
+        if references is not None:
+            pixels = [load_pixels(reference) for _, (_, reference) in chunk]
+            embeddings = adapter.encode_text(prompts, pixels, negative=negative)
+        else:
+            embeddings = (adapter.encode_negative_prompts if negative else adapter.encode_prompts)(prompts)
+        for (key, _), embedding in zip(chunk, embeddings):
+            cache.save(key, embedding.tensors)
     return len(todo)

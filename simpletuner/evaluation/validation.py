@@ -134,22 +134,26 @@ class ValidationRunner:
 
     ``embeddings(prompt) -> {name: tensor}`` returns a prompt's cached text embedding (no batch dimension), and
     ``negative_embeddings`` the negative prompt's (as the pipeline encodes negatives; ``embeddings`` if not given);
-    ``references(prompt, width, height)`` the latents (C, h, w) of the reference image an edit model edits for that
-    prompt at that size (None without references); ``preview_decoder`` is an AutoencoderTiny (or None for no
-    previews); ``on_preview(preview, step)`` and ``on_image(image, step)`` are called as each preview / image is
-    written.
+    ``references(prompt, width, height)`` the reference image an edit model edits for that prompt at that size: its
+    latents (C, h, w), or a dict of tensors without a batch dimension (``reference_latents``, ``reference_pixels``),
+    None without references. Where the adapter's prompt embedding sees the reference (``prompt_takes_reference``),
+    ``reference_samples(prompt, width, height)`` gives that image's Sample and the embeddings are asked for as
+    ``embeddings(prompt, sample)``. ``preview_decoder`` is an AutoencoderTiny (or None for no previews);
+    ``on_preview(preview, step)`` and ``on_image(image, step)`` are called as each preview / image is written.
     """
 
     def __init__(self, config, adapter, embeddings: Callable[[str], dict], *,
                  negative_embeddings: Callable[[str], dict] | None = None, preview_decoder=None,
                  on_preview: Callable[[PreviewImage, int], None] | None = None,
                  on_image: Callable[[ValidationImage, int], None] | None = None, autocast=None,
-                 references: Callable[[ValidationPrompt, int, int], torch.Tensor | None] | None = None):
+                 references: Callable[[ValidationPrompt, int, int], torch.Tensor | dict | None] | None = None,
+                 reference_samples: Callable[[ValidationPrompt, int, int], object] | None = None):
         self.config = config
         self.adapter = adapter
         self.embeddings = embeddings
         self.negative_embeddings = negative_embeddings or embeddings
         self.references = references
+        self.reference_samples = reference_samples
         self.preview_decoder = preview_decoder
         self.on_preview = on_preview
         self.on_image = on_image
@@ -170,13 +174,24 @@ class ValidationRunner:
             pipeline.set_progress_bar_config(disable=True)
             if self.adapter.device.type == "cpu" and getattr(pipeline, "vae", None) is not None:
                 scope.enter_context(_float32_decode(pipeline.vae))
-            negative = self._embeddings(self.negative_prompt, negative=True) if self.negative_needed() else None
+            per_reference = self.adapter.prompt_takes_reference  # embeddings differ per reference image
+            shared_negative = None
+            if self.negative_needed() and not per_reference:
+                shared_negative = self._embeddings(self.negative_prompt, negative=True)
             for item in prompts:
-                text = self._embeddings(item.prompt)
+                shared = None if per_reference else self._embeddings(item.prompt)
                 for width, height in resolutions:
+                    text, negative = shared, shared_negative
+                    if per_reference:
+                        sample = self.reference_samples(item, width, height)
+                        text = self._embeddings(item.prompt, reference=sample)
+                        if self.negative_needed():
+                            negative = self._embeddings(self.negative_prompt, negative=True, reference=sample)
                     reference = self.references(item, width, height) if self.references is not None else None
                     if reference is not None:
-                        text = {**text, "reference_latents": reference.unsqueeze(0).to(self.adapter.device)}
+                        if not isinstance(reference, dict):
+                            reference = {"reference_latents": reference}
+                        text = {**text, **{k: v.unsqueeze(0).to(self.adapter.device) for k, v in reference.items()}}
                     frames = self._generate(pipeline, item, text, negative, width, height, step, folder)
                     path = folder / f"{item.nickname}_{width}x{height}.png"
                     frames[0].save(path)
@@ -193,9 +208,10 @@ class ValidationRunner:
                         self.on_image(result, step)
         return results
 
-    def _embeddings(self, prompt: str, *, negative: bool = False) -> dict[str, torch.Tensor]:
+    def _embeddings(self, prompt: str, *, negative: bool = False, reference=None) -> dict[str, torch.Tensor]:
         device = self.adapter.device
-        embedding = (self.negative_embeddings if negative else self.embeddings)(prompt)
+        embed = self.negative_embeddings if negative else self.embeddings
+        embedding = embed(prompt) if reference is None else embed(prompt, reference)
         # float32: under mixed precision autocast casts for the transformer while the VAE decodes in fp32
         return {k: v.unsqueeze(0).to(device, torch.float32) for k, v in embedding.items()}
 

@@ -369,6 +369,47 @@ class ModelAdapter(metaclass=_AdapterMeta):
         family conditions on that comes from the same pixels (Wan I2V: the first frame's latents and CLIP image
         embedding). Every key but ``latents`` reaches ``predict`` inside its ``text`` dict."""
         return [{"latents": latent} for latent in self.encode_images(pixels)]
+
+    # ---- reference images (edit flavours) ---------------------------------------------------------------------
+    @property
+    def prompt_takes_reference(self) -> bool:
+        """Whether a prompt's embedding depends on the reference image it edits (Qwen-Image-Edit's text encoder sees
+        the image): then embeddings are encoded and cached per (prompt, reference image)."""
+        return False
+
+    def encode_text(self, prompts: list[str], references: list[torch.Tensor] | None = None, *,
+                    negative: bool = False) -> list[TextEmbedding]:
+        """The embeddings the text cache keeps: ``encode_prompts`` (``encode_negative_prompts`` with ``negative``),
+        or, where ``prompt_takes_reference``, each prompt encoded with its reference image (``references``: one
+        (3, H, W) pixel tensor in [-1, 1] per prompt, prepared as its training or validation image was)."""
+        if self.prompt_takes_reference:
+            if references is None or len(references) != len(prompts):
+                raise ValueError(f"model_flavour {self.config.model_flavour!r} encodes each prompt with the reference "
+                                 "image it edits; give one reference per prompt")
+            return self.encode_prompts_with_references(prompts, references, negative=negative)
+        return self.encode_negative_prompts(prompts) if negative else self.encode_prompts(prompts)
+
+    def encode_prompts_with_references(self, prompts: list[str], references: list[torch.Tensor], *,
+                                       negative: bool = False) -> list[TextEmbedding]:
+        """``prompt_takes_reference`` families: each prompt encoded with its reference image, as the edit pipeline
+        encodes them."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode prompts with reference images")
+
+    def encode_references(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Reference images, pixels (B, 3, H, W) in [-1, 1] prepared exactly as their targets were, -> the
+        ``reference_latents`` ``predict`` takes, as the edit pipeline encodes its ``image``: ``encode_images``
+        unless the pipeline resizes its references itself."""
+        return self.encode_images(pixels)
+
+    def reference_cache_identity(self) -> str:
+        """``vae_cache_identity`` for reference latents (it differs where ``encode_references`` resizes)."""
+        return self.vae_cache_identity()
+
+    def load_pipeline(self, path: str | Path | None = None):
+        """The run's pipeline loaded from a model folder (the model's own by default) with its ``from_pretrained``,
+        as its users load it; a family passes what the folder names but cannot be loaded on this machine."""
+        return self.run_pipeline_class.from_pretrained(str(path or self.model_path()))
+
     def encode_negative_prompts(self, prompts: list[str]) -> list[TextEmbedding]:
         """Negative prompts (validation CFG) as the pipeline encodes its negative prompt; the same as
         ``encode_prompts`` unless the pipeline treats them differently (Sana drops its complex human instruction,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # bump when a tiny checkpoint's architecture or init changes, so stale folders are not reused
-TINY_FORMAT = 2
+TINY_FORMAT = 3  # 3: Qwen-Image's carries Qwen2.5-VL's processor and the edit template's words
 _CHARS = string.ascii_lowercase + string.digits + ".,!?'-:;()"
 _WORDS = ("the", "a", "an", "of", "on", "in", "and", "with", "photo", "red", "blue", "green", "circle", "square")
 
@@ -222,12 +222,12 @@ def byte_level_bpe(words=()) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return model["vocab"], merges
 
 
-def qwen2_tokenizer(max_length: int = 32768, chat_template: str | None = QWEN3_CHAT_TEMPLATE):
+def qwen2_tokenizer(max_length: int = 32768, chat_template: str | None = QWEN3_CHAT_TEMPLATE, words=()):
     """A byte-level BPE ``Qwen2Tokenizer`` (the class Qwen2.5-VL, Qwen3 and their pipelines load) with Qwen's chat
-    special tokens and the template words as single tokens."""
+    special tokens and the template words (and ``words``) as single tokens."""
     from transformers import AddedToken, Qwen2Tokenizer
 
-    vocab, merges = byte_level_bpe(TEMPLATE_WORDS)
+    vocab, merges = byte_level_bpe(TEMPLATE_WORDS + tuple(words))
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length,
                                errors="replace", clean_up_tokenization_spaces=False)
     tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in QWEN_SPECIALS

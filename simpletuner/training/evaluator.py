@@ -22,7 +22,7 @@ import torch
 
 from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
                                     mask_key, negative_identity, text_key)
-from simpletuner.data.discovery import DatasetError, Sample, discover, load_pixels_at, with_pairs
+from simpletuner.data.discovery import DatasetError, Sample, discover, load_pixels, reference_sample, with_pairs
 from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
 from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
 from simpletuner.evaluation.trackers import Trackers
@@ -94,7 +94,7 @@ class Evaluator:
         self._identities: tuple[str, str] | None = None
         self._eval_items: list[EvalItem] | None = None
         self._embeddings: dict[str, dict[str, torch.Tensor]] = {}
-        self._references: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._references: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
         self._runner: ValidationRunner | None = None
         self._scorer = None
         self._last_validated: int | None = None
@@ -132,10 +132,31 @@ class Evaluator:
     # ---- caches -----------------------------------------------------------------------------------------
     def captions(self) -> list[str]:
         """Every prompt the evaluator needs embedded: validation prompts and eval captions."""
-        texts = [p.prompt for p in self.prompts] if self.validating else []
+        return [caption for caption, _ in self._text_items()]
+
+    def _text_items(self) -> list[tuple[str, Sample | None]]:
+        """(prompt, the reference it is encoded with) of every prompt the evaluator needs embedded; the reference is
+        None unless the adapter's prompt embedding sees the reference image (then one per validation size)."""
+        with_reference = self.adapter.prompt_takes_reference
+        items: list[tuple[str, Sample | None]] = []
+        if self.validating:
+            for p in self.prompts:
+                if with_reference:
+                    items += [(p.prompt, self.reference_sample(p, w, h)) for w, h in self.resolutions]
+                else:
+                    items.append((p.prompt, None))
         if self.evaluating:
-            texts += [s.caption for _, ds in self.eval_datasets for s in ds.samples]
-        return texts
+            items += [(s.caption, s.conditioning if with_reference else None)
+                      for _, ds in self.eval_datasets for s in ds.samples]
+        return items
+
+    def _negative_items(self) -> list[tuple[str, Sample | None]]:
+        if not self.negative_prompts():
+            return []
+        negative = self.negative_prompts()[0]
+        if not self.adapter.prompt_takes_reference:
+            return [(negative, None)]
+        return [(negative, self.reference_sample(p, w, h)) for p in self.prompts for w, h in self.resolutions]
 
     def negative_prompts(self) -> list[str]:
         """The negative prompt, when validation's guidance uses one (embedded as the pipeline embeds negatives)."""
@@ -156,37 +177,52 @@ class Evaluator:
         latents = 0
         if self.evaluating:
             by_cache: dict[str, list[Sample]] = {}
+            references: dict[str, list[Sample]] = {}
             masks: dict[str, list[Sample]] = {}
             for backend, ds in self.eval_datasets:
                 by_cache.setdefault(backend.cache_dir_vae, []).extend(ds.samples)
                 for s in ds.samples:
                     if s.conditioning is not None:
-                        by_cache.setdefault(str(self._cache_of(s.conditioning.dataset_id).folder), []).append(
+                        references.setdefault(str(self._cache_of(s.conditioning.dataset_id).folder), []).append(
                             s.conditioning)
                     if s.mask is not None:
                         masks.setdefault(str(self._cache_of(s.mask.dataset_id).folder), []).append(s.mask)
             latents = fill_latent_cache(by_cache, self.adapter, self.config.vae_batch_size, show_progress=show_progress)
+            latents += fill_latent_cache(references, self.adapter, self.config.vae_batch_size,
+                                         show_progress=show_progress, references=True)
             if masks:  # the scale factor reads the VAE's config: only asked when there are masks
                 fill_mask_cache(masks, self.adapter.vae_scale_factor, show_progress=show_progress)
         batch = self.backends.text_embeds.write_batch_size
-        captions = fill_text_cache(self.captions(), self.adapter, self.text_cache, batch, show_progress=show_progress)
-        captions += fill_text_cache(self.negative_prompts(), self.adapter, self.text_cache, batch,
-                                    show_progress=show_progress, negative=True)
+        captions = 0
+        with_reference = self.adapter.prompt_takes_reference
+        for items, negative in ((self._text_items(), False), (self._negative_items(), True)):
+            captions += fill_text_cache([c for c, _ in items], self.adapter, self.text_cache, batch,
+                                        show_progress=show_progress, negative=negative,
+                                        references=[r for _, r in items] if with_reference else None)
         if self.validating and self.adapter.references:
             for item in self.prompts:
                 for width, height in self.resolutions:
                     self.reference_latents(item, width, height)
         return latents, captions
 
-    def reference_latents(self, item, width: int, height: int) -> torch.Tensor | None:
-        """The latents (C, h, w) of the reference image ``item`` edits, cropped to width x height as training
-        crops its references (encoded once per run, while the VAE is loaded)."""
+    def reference_sample(self, item, width: int, height: int) -> Sample | None:
+        """The reference image ``item`` edits, cropped to width x height as training crops its references."""
         if not self.adapter.references or not item.reference_image:
+            return None
+        return reference_sample(Path(item.reference_image).expanduser(), width, height)
+
+    def reference_latents(self, item, width: int, height: int) -> dict[str, torch.Tensor] | None:
+        """The reference image ``item`` edits at width x height: ``reference_latents`` (C, h, w) as training encodes
+        its references, and its ``reference_pixels`` (3, H, W) in [-1, 1] for a pipeline that takes the image
+        itself (encoded once per run, while the VAE is loaded)."""
+        sample = self.reference_sample(item, width, height)
+        if sample is None:
             return None
         key = (item.reference_image, width, height)
         if key not in self._references:
-            pixels = load_pixels_at(Path(item.reference_image).expanduser(), width, height)
-            self._references[key] = self.adapter.encode_images(pixels.unsqueeze(0))[0]
+            pixels = load_pixels(sample)
+            self._references[key] = {"reference_latents": self.adapter.encode_references(pixels.unsqueeze(0))[0],
+                                     "reference_pixels": pixels}
         return self._references[key]
 
     def _identity(self) -> tuple[str, str]:
@@ -194,19 +230,22 @@ class Evaluator:
             self._identities = (self.adapter.vae_cache_identity(), self.adapter.text_cache_identity())
         return self._identities
 
-    def prompt_embedding(self, prompt: str, *, negative: bool = False) -> dict[str, torch.Tensor]:
-        """The cached text embedding of ``prompt`` (as a negative prompt with ``negative``), encoded now if the
-        cache lacks it."""
+    def prompt_embedding(self, prompt: str, *, negative: bool = False,
+                         reference: Sample | None = None) -> dict[str, torch.Tensor]:
+        """The cached text embedding of ``prompt`` (as a negative prompt with ``negative``; encoded with the
+        ``reference`` image where the adapter's prompt embedding sees it), encoded now if the cache lacks it."""
         identity = negative_identity(self._identity()[1]) if negative else self._identity()[1]
-        key = text_key(prompt, identity)
+        reference = reference if self.adapter.prompt_takes_reference else None
+        key = text_key(prompt, identity, reference)
         if key not in self._embeddings:
             if not self.text_cache.has(key):
-                fill_text_cache([prompt], self.adapter, self.text_cache, 1, show_progress=False, negative=negative)
+                fill_text_cache([prompt], self.adapter, self.text_cache, 1, show_progress=False, negative=negative,
+                                references=[reference] if reference is not None else None)
             self._embeddings[key] = self.text_cache.load(key)
         return self._embeddings[key]
 
-    def negative_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
-        return self.prompt_embedding(prompt, negative=True)
+    def negative_embedding(self, prompt: str, reference: Sample | None = None) -> dict[str, torch.Tensor]:
+        return self.prompt_embedding(prompt, negative=True, reference=reference)
 
     def eval_items(self) -> list[EvalItem]:
         if self._eval_items is None:
@@ -220,13 +259,14 @@ class Evaluator:
                 for s in ds.samples:
                     key = latent_key(s, vae_identity)
                     entry = cache.load(key)
-                    cond = dict(self.prompt_embedding(s.caption))
+                    cond = dict(self.prompt_embedding(s.caption, reference=s.conditioning))
                     cond.update({k: v for k, v in entry.items() if k != "latents"})  # e.g. Wan I2V's first frame
                     cond.update({k: v[0] for k, v in self.adapter.sample_conditioning([s]).items()})
                     mask = None
                     if s.conditioning is not None:
                         ref = self._cache_of(s.conditioning.dataset_id)
-                        cond["reference_latents"] = ref.load(latent_key(s.conditioning, vae_identity))["latents"]
+                        cond["reference_latents"] = ref.load(latent_key(s.conditioning, self.adapter
+                                                                        .reference_cache_identity()))["latents"]
                     if s.mask is not None:
                         mask = self._cache_of(s.mask.dataset_id).load(
                             mask_key(s.mask, self.adapter.vae_scale_factor))["mask"]
@@ -336,8 +376,8 @@ class Evaluator:
             self._conditioning = {k: v for k, v in cache.load(key).items() if k != "latents"}
         return self._conditioning
 
-    def _validation_embedding(self, prompt: str) -> dict[str, torch.Tensor]:
-        text = self.prompt_embedding(prompt)
+    def _validation_embedding(self, prompt: str, reference: Sample | None = None) -> dict[str, torch.Tensor]:
+        text = self.prompt_embedding(prompt, reference=reference)
         return {**text, **self.validation_conditioning()} if getattr(self.adapter, "is_i2v", False) else text
 
     def runner(self) -> ValidationRunner:
@@ -346,7 +386,8 @@ class Evaluator:
             self._runner = ValidationRunner(self.config, self.adapter, self._validation_embedding,
                                             negative_embeddings=self.negative_embedding, preview_decoder=decoder,
                                             on_preview=self._send_preview, on_image=self._send_image,
-                                            autocast=self.accelerator.autocast, references=self.reference_latents)
+                                            autocast=self.accelerator.autocast, references=self.reference_latents,
+                                            reference_samples=self.reference_sample)
         return self._runner
 
     def _send_image(self, image: ValidationImage, step: int) -> None:

@@ -3,7 +3,8 @@
 One step: take a batch (one aspect bucket), read its latents and text embeddings from the cache (and, where the
 dataset pairs them, its reference latents and loss masks), draw noise and timesteps, noise the latents, predict with
 the family's adapter, take the loss against the objective's target (flow-matching velocity, epsilon or v; the base
-model's own prediction for regularisation data), weighted by the mask, backward, clip, step, report, and every
+model's own prediction for regularisation data: the LoRA switched off, or a frozen copy of the base model in a full
+fine-tune), weighted by the mask, backward, clip, step, report, and every
 ``checkpointing_steps`` write a checkpoint. Where the run is (step, epoch, data position, RNG, losses) lives in one
 ``RunState``.
 """
@@ -77,6 +78,7 @@ class TrainData:
     captions_encoded: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # dataset id -> files skipped (unreadable, too short...)
     vae_scale_factor: int = 8  # mask cache keys
+    reference_identity: str = ""  # reference latents' cache key ingredient (the adapter's reference_cache_identity)
 
 
 class _StopFlag:
@@ -176,12 +178,13 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
 
     vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
     latent_sets: dict[str, list] = {}
+    reference_sets: dict[str, list] = {}
     mask_sets: dict[str, list] = {}
     for b, ds in zip(training_backends, datasets):
         latent_sets.setdefault(b.cache_dir_vae, []).extend(ds.samples)
         for s in ds.samples:
             if s.conditioning is not None:
-                latent_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
+                reference_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
             if s.mask is not None:
                 mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
@@ -192,16 +195,22 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         show = accelerator.is_local_main_process
         latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show,
                                             unreadable=unreadable)
+        latents_encoded += fill_latent_cache(reference_sets, adapter, config.vae_batch_size, show_progress=show,
+                                             unreadable=unreadable, references=True)
         if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
             fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         _drop_unreadable(datasets, unreadable)
-        captions = [s.caption for ds in datasets for s in ds.samples]
+        samples = [s for ds in datasets for s in ds.samples]
+        captions = [s.caption for s in samples]
+        # an edit model whose text encoder sees the reference caches each caption with its sample's reference
+        references = [s.conditioning for s in samples] if adapter.prompt_takes_reference else None
         if config.caption_dropout_probability:
-            captions.append("")
+            captions += [""] * (len(samples) if references is not None else 1)
+            references = references + references if references is not None else None
         if config.offload_during_startup:
             adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
-                                           show_progress=show)
+                                           show_progress=show, references=references)
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
@@ -215,7 +224,8 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                                f"({len(ds.skipped)} skipped)")
     sampler = BucketBatchSampler(datasets, config.train_batch_size, config.seed or 0)
     data = TrainData(sampler, vae_caches, text_cache, vae_identity, text_identity, latents_encoded, captions_encoded,
-                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8)
+                     vae_scale_factor=adapter.vae_scale_factor if mask_sets else 8,
+                     reference_identity=adapter.reference_cache_identity() if reference_sets else "")
     data.skipped = {ds.dataset_id: len(ds.skipped) for ds in datasets}
     return data
 
@@ -297,6 +307,30 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
     return transformer
 
 
+def build_regularisation_base(config, adapter, backends, device: torch.device):
+    """A full fine-tune with regularisation data: a frozen copy of the base denoiser, whose prediction is those
+    samples' target (a LoRA run switches its adapter off instead); None for any other run. It costs one more copy of
+    the denoiser's weights in ``weight_dtype``: in accelerator memory, or with ``regularisation_base_device: cpu`` in
+    CPU memory, each block moved to the accelerator only while it runs (diffusers' group offload)."""
+    if config.model_type != "full" or not any(d.is_regularisation_data for d in backends.image_datasets):
+        return None
+    from simpletuner.training.compile import set_attention_mechanism
+
+    base = adapter.load_transformer().requires_grad_(False).eval()
+    set_attention_mechanism(base, config.attention_mechanism or "sdpa")
+    if config.regularisation_base_device == "cpu":
+        from simpletuner.training.offload import enable_group_offload
+
+        enable_group_offload(base, onload_device=device, offload_type="block_level", blocks_per_group=1,
+                             training=False)
+    else:
+        base.to(device)
+    log.info("regularisation data: their targets are a frozen copy of the base %s (%.2f GB, on %s)",
+             adapter.denoiser_subfolder, sum(p.numel() * p.element_size() for p in base.parameters()) / 1e9,
+             "the CPU, offloaded block by block" if config.regularisation_base_device == "cpu" else device)
+    return base
+
+
 def total_train_steps(config, batches_per_epoch: int, world_size: int) -> tuple[int, int]:
     """(max_train_steps, num_epochs) from whichever of the two the config sets."""
     micro_per_epoch = max(1, batches_per_epoch // world_size)
@@ -323,14 +357,16 @@ def load_batch(batch, data: TrainData, config, generator: torch.Generator, devic
     if config.caption_dropout_probability:
         drop = torch.rand(len(batch), generator=generator) < config.caption_dropout_probability
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-    cond = TextEmbedding.collate([TextEmbedding(data.text_cache.load(text_key(c, data.text_identity)))
-                                  for c in captions])
+    with_reference = adapter.prompt_takes_reference  # each caption was encoded with its sample's reference
+    cond = TextEmbedding.collate([
+        TextEmbedding(data.text_cache.load(text_key(c, data.text_identity, s.conditioning if with_reference else None)))
+        for c, s in zip(captions, batch)])
     # conditioning cached beside the latents (e.g. Wan I2V's first frame) travels with the text embeddings
     cond.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
     cond.update(adapter.sample_conditioning(batch))
     if batch[0].conditioning is not None:  # every sample of a run with references has one (checked by the config)
         cond["reference_latents"] = torch.stack([
-            cached(s.conditioning, latent_key(s.conditioning, data.vae_identity))["latents"] for s in batch])
+            cached(s.conditioning, latent_key(s.conditioning, data.reference_identity))["latents"] for s in batch])
     mask = None
     if any(s.mask is not None for s in batch):
         mask = torch.stack([cached(s.mask, mask_key(s.mask, data.vae_scale_factor))["mask"] if s.mask is not None
@@ -339,21 +375,28 @@ def load_batch(batch, data: TrainData, config, generator: torch.Generator, devic
     return latents.to(device), {k: v.to(device) for k, v in cond.items()}, is_reg, mask
 
 
-def compute_loss(config, adapter, transformer, latents, text, is_reg, generator, *, mask=None):
+def compute_loss(config, adapter, transformer, latents, text, is_reg, generator, *, mask=None, base_model=None):
     """The batch's training loss. ``text`` is the batch's conditioning (``load_batch``); ``mask`` weights the loss
-    per latent (and TREAD keeps the tokens under it); regularisation samples (LoRA runs) are trained towards the
-    base model's own prediction."""
+    per latent (and TREAD keeps the tokens under it); regularisation samples are trained towards the base model's
+    own prediction: the LoRA switched off, or in a full fine-tune ``base_model`` (``build_regularisation_base``)."""
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=generator).to(latents)
     t = objective.sample_timesteps(latents.shape[0], generator=generator,
                                    image_seq_len=adapter.image_seq_len(latents.shape)).to(latents.device)
     noisy = objective.add_noise(latents, noise, t)
     target = objective.target(latents, noise, t)
-    if is_reg.any() and config.model_type == "lora":
-        # regularisation data: the target is the base model's own prediction (adapter off) on these samples
-        base = _unwrap(transformer)
-        with torch.no_grad(), _adapter_off(base):
-            base_pred = adapter.predict(base, noisy, t, text).float()
+    if is_reg.any():
+        # regularisation data: the target is the base model's own prediction on these samples
+        if config.model_type == "lora":
+            base = _unwrap(transformer)
+            with torch.no_grad(), _adapter_off(base):
+                base_pred = adapter.predict(base, noisy, t, text).float()
+        elif base_model is None:
+            raise ValueError("is_regularisation_data: a full fine-tune trains these samples towards a frozen copy of "
+                             "the base model, and none was built (build_regularisation_base)")
+        else:
+            with torch.no_grad():
+                base_pred = adapter.predict(base_model, noisy, t, text).float()
         selected = is_reg.to(latents.device).view(-1, *([1] * (latents.ndim - 1)))
         target = torch.where(selected, base_pred, target)
     handle = getattr(_unwrap(transformer), "_tread_handle", None)
@@ -427,6 +470,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
 
     # ---- model, optimizer, schedule ----
     transformer = build_transformer(config, adapter, accelerator, generator)
+    base_model = build_regularisation_base(config, adapter, backends, accelerator.device)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = build_optimizer(config, param_groups(transformer, config, adapter_family(config).lr_scale))
     schedule = config.lr_scheduler
@@ -493,7 +537,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                                                          accelerator.device, adapter)
                 state.batch_in_epoch += 1
                 with accelerator.accumulate(transformer):
-                    loss = compute_loss(config, adapter, transformer, latents, cond, is_reg, generator, mask=mask)
+                    loss = compute_loss(config, adapter, transformer, latents, cond, is_reg, generator, mask=mask,
+                                        base_model=base_model)
                     accelerator.backward(loss)
                     accumulated += (accelerator.gather(loss.detach()).mean().item()
                                     / config.gradient_accumulation_steps)

@@ -138,7 +138,7 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
 
     # the exported LoRA, loaded into the family's pipeline (its edit pipeline for an edit model) as users load it
     adapter = adapter_cls(cfg, references=backends.uses_references)
-    pipe = adapter.run_pipeline_class.from_pretrained(adapter.ensure_tiny_checkpoint())
+    pipe = adapter.load_pipeline(adapter.ensure_tiny_checkpoint())
     pipe.set_progress_bar_config(disable=True)
     denoiser = getattr(pipe, adapter.denoiser_subfolder).eval()
 
@@ -154,10 +154,14 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
     batch = max(by_size.values(), key=len)[:4]
 
     latents = adapter.encode_images(torch.stack([load_pixels(s) for s in batch]))
-    text = TextEmbedding.collate(adapter.encode_prompts([s.caption for s in batch]))
+    references = [load_pixels(s.conditioning) for s in batch] if adapter.references else None
+    # an edit model whose text encoder sees the reference encodes each caption with it
+    text = TextEmbedding.collate(adapter.encode_text([s.caption for s in batch],
+                                                     references if adapter.prompt_takes_reference else None))
     text.update(adapter.sample_conditioning(batch))
-    if adapter.references:
-        text["reference_latents"] = adapter.encode_images(torch.stack([load_pixels(s.conditioning) for s in batch]))
+    if references is not None:
+        text.update(reference_latents=adapter.encode_references(torch.stack(references)),
+                    reference_pixels=torch.stack(references))
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
     levels = objective.eval_timesteps()

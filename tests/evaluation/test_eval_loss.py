@@ -65,3 +65,45 @@ def test_matches_the_training_objective_at_one_level(tiny_adapter, tiny_transfor
 def test_needs_items(tiny_adapter, tiny_transformer):
     with pytest.raises(ValueError, match="no eval items"):
         evaluation_loss(tiny_adapter, tiny_transformer, [])
+
+
+_EVAL_RUN = """
+import json, sys
+import torch
+from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
+from simpletuner.models.registry import get_adapter_class
+from tests.models.contract import family_config
+
+torch.manual_seed(int(sys.argv[1]))  # each run starts from its own global RNG state
+out = {}
+for prediction_type, zero_snr in (("epsilon", False), ("v_prediction", True)):
+    adapter = get_adapter_class("sdxl")(family_config("sdxl", prediction_type=prediction_type,
+                                                      rescale_betas_zero_snr=zero_snr))
+    unet = adapter.load_transformer().eval()
+    text = adapter.encode_prompts(["a red square"])[0].tensors
+    latents = torch.linspace(-1, 1, 4 * 8 * 8).reshape(4, 8, 8)
+    out[prediction_type] = evaluation_loss(adapter, unet, [EvalItem("held-out-0", latents, text)])
+print(json.dumps(out))
+"""
+
+
+def test_ddpm_eval_loss_is_the_same_in_every_run(tiny_dir):
+    """Epsilon and v-prediction (on a zero-terminal-SNR schedule), measured on the tiny SDXL UNet in two separate
+    processes that start from different RNG states: the same fixed timesteps, the same numbers bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _EVAL_RUN, str(seed)], cwd=REPO, env=env, check=True,
+                                      capture_output=True, text=True, timeout=600).stdout.strip().splitlines()[-1])
+            for seed in (1, 2)]
+    assert runs[0] == runs[1]
+    for metrics in runs[0].values():
+        levels = [name for name in metrics if name != "eval/loss"]
+        assert len(levels) == 9 and all(name.startswith("eval/loss_t_") for name in levels)
+        assert all(value > 0 for value in metrics.values())
+    assert runs[0]["epsilon"] != runs[0]["v_prediction"]

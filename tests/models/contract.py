@@ -399,7 +399,9 @@ class EditFlavourContract(_Fixtures):
 
     @pytest.fixture(scope="class")
     def references(self, adapter):
-        """Two reference images at the test size: (PIL image, its latents as training encodes them) each."""
+        """Two reference images at the test size: (PIL image, the conditioning of PROMPT with it as training builds
+        it: the prompt's embedding, encoded with the image where the family's text encoder sees it, the reference
+        latents and pixels), batch of one."""
         from PIL import Image
 
         from simpletuner.data.discovery import load_pixels_at
@@ -410,21 +412,19 @@ class EditFlavourContract(_Fixtures):
             path = EDIT_DATA / "reference" / name
             pixels = load_pixels_at(path, size, size)
             image = Image.open(path).convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
-            out.append((image, adapter.encode_images(pixels.unsqueeze(0))))
+            cond = TextEmbedding.collate(adapter.encode_text([PROMPT], [pixels]))
+            cond.update(reference_latents=adapter.encode_references(pixels.unsqueeze(0)),
+                        reference_pixels=pixels.unsqueeze(0))
+            out.append((image, cond))
         return out
 
-    @staticmethod
-    def with_reference(text, reference_latents):
-        return {**text, "reference_latents": reference_latents}
-
     @pytest.mark.parametrize("mode", ["embeddings", "prompt"])
-    def test_prediction_matches_the_edit_pipeline(self, adapter, transformer, text, latents, references, mode):
+    def test_prediction_matches_the_edit_pipeline(self, adapter, transformer, latents, references, mode):
         """With a reference, the adapter predicts what the edit pipeline computes at its first step, whether it is
         handed the encoded reference with cached embeddings or the image itself with the prompt."""
-        image, ref_latents = references[0]
+        image, cond = references[0]
         pipe = adapter.build_pipeline(transformer)
         assert isinstance(pipe, adapter.edit_pipeline_class)
-        cond = self.with_reference(text, ref_latents)
         kwargs = adapter.validation_pipeline_kwargs(cond, None, guidance=1.0, guidance_real=1.0)
         if mode == "prompt":
             kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
@@ -435,63 +435,69 @@ class EditFlavourContract(_Fixtures):
         assert ours.shape == theirs.shape
         assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
 
-    def test_the_reference_changes_the_prediction(self, adapter, transformer, text, latents, references):
+    def test_the_reference_changes_the_prediction(self, adapter, transformer, latents, references):
         t = adapter.objective.eval_timesteps()[4:5]
         with torch.no_grad():
-            a, a_again, b = (adapter.predict(transformer, latents, t, self.with_reference(text, ref))
-                             for ref in (references[0][1], references[0][1], references[1][1]))
+            a, a_again, b = (adapter.predict(transformer, latents, t, cond)
+                             for cond in (references[0][1], references[0][1], references[1][1]))
         assert torch.equal(a, a_again)
         assert (a - b).abs().max().item() > 1e-4
 
-    def test_a_lora_trained_on_pairs_reproduces_in_the_edit_pipeline(self, case, adapter, text, latents,
-                                                                    references, tmp_path):
-        """A LoRA trained through the real trainer on (reference, edit) pairs: loaded into the edit pipeline, its
-        first-step output for a reference image equals the trained model's prediction with that reference, and the
-        reference matters to it."""
+    def test_a_lora_trained_on_pairs_reproduces_in_the_edit_pipeline(self, case, adapter, latents, references,
+                                                                    tmp_path):
+        """A LoRA trained through the real trainer on (reference, edit) pairs: loaded into the edit pipeline as its
+        users load it, its first-step output for a reference image equals the trained model's prediction with that
+        reference, and the reference matters to it."""
         from safetensors.torch import load_file
 
         from simpletuner.training.lora import add_lora, load_lora_state
         from simpletuner.training.trainer import train
 
         family, flavour = case
-        shutil.copytree(EDIT_DATA, tmp_path / "edit")
+        for kind in ("edited", "reference"):  # the two pairs of the references fixture
+            (tmp_path / "edit" / kind).mkdir(parents=True)
+            for file in sorted((EDIT_DATA / kind).glob("0[01]_*")):
+                shutil.copy(file, tmp_path / "edit" / kind / file.name)
         backends = [{"id": "edited", "instance_data_dir": str(tmp_path / "edit/edited"), "caption_strategy": "textfile",
                      "resolution": _size(adapter), "resolution_type": "pixel", "conditioning_data": "reference",
                      "cache_dir_vae": str(tmp_path / "cache/vae")},
                     {"id": "reference", "dataset_type": "conditioning", "instance_data_dir": str(tmp_path / "edit/reference"),
                      "cache_dir_vae": str(tmp_path / "cache/vae-ref")},
                     {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+        # caption dropout: the empty caption is trained beside each reference too
         config = family_config(family, model_flavour=flavour, pretrained_model_name_or_path=adapter.model_path(),
                                output_dir=str(tmp_path / "out"), learning_rate=1e-2, lora_rank=4, train_batch_size=2,
-                               checkpointing_steps=3, data_backend_config=str(tmp_path / "backends.json"))
+                               checkpointing_steps=3, data_backend_config=str(tmp_path / "backends.json"),
+                               caption_dropout_probability=0.5)
         result = train(config, load_data_backends(backends, config=config))
         assert result.global_step == 3 and all(torch.isfinite(torch.tensor(result.losses)))
 
         trained = adapter.load_transformer()
         add_lora(trained, adapter, config)
         load_lora_state(trained, load_file(tmp_path / "out/checkpoint-3/trainable.safetensors"), "checkpoint-3")
-        pipe = adapter.edit_pipeline_class.from_pretrained(adapter.model_path())
+        pipe = adapter.load_pipeline()
+        assert isinstance(pipe, adapter.edit_pipeline_class)
         adapter.load_lora(pipe, result.lora_path)
-        plain = {k: v for k, v in adapter.validation_pipeline_kwargs(text, None, guidance=1.0, guidance_real=1.0).items()
-                 if not isinstance(v, torch.Tensor)}
         outputs = []
-        for image, ref_latents in references:
-            theirs, t = _first_step_output(pipe, adapter, latents, prompt=PROMPT, **plain,
-                                           **adapter.reference_pipeline_kwargs(image))
+        for image, cond in references:
+            plain = {k: v for k, v in adapter.validation_pipeline_kwargs(cond, None, guidance=1.0,
+                                                                         guidance_real=1.0).items()
+                     if not isinstance(v, torch.Tensor)}
+            theirs, t = _first_step_output(pipe, adapter, latents, prompt=PROMPT,
+                                           **{**plain, **adapter.reference_pipeline_kwargs(image)})
             with torch.no_grad():
-                ours = adapter.pipeline_latents(adapter.predict(trained.eval(), latents, t,
-                                                                self.with_reference(text, ref_latents)))
+                ours = adapter.pipeline_latents(adapter.predict(trained.eval(), latents, t, cond))
             assert (ours - theirs).abs().max().item() < 1e-5
             outputs.append(ours)
         assert (outputs[0] - outputs[1]).abs().max().item() > 1e-4
 
-    def test_tread_routes_target_and_reference_tokens(self, adapter, transformer, text, latents, references):
+    def test_tread_routes_target_and_reference_tokens(self, adapter, transformer, latents, references):
         from simpletuner.training.tread import apply_tread
 
         layout = adapter.tread_layout(transformer)
         if layout is None:
             return  # the family's contract already shows it refuses TREAD
-        cond = self.with_reference(text, references[0][1])
+        cond = references[0][1]
         t = adapter.objective.eval_timesteps()[4:5]
         with torch.no_grad():
             plain = adapter.predict(transformer, latents, t, cond)
@@ -508,17 +514,18 @@ class EditFlavourContract(_Fixtures):
             transformer.train()
             with torch.enable_grad():
                 routed = adapter.predict(transformer, latents, t, cond)
-            with_reference = adapter.image_seq_len(latents.shape) + adapter.image_seq_len(references[0][1].shape)
+            with_reference = (adapter.image_seq_len(latents.shape)
+                              + adapter.image_seq_len(cond["reference_latents"].shape))
             assert seen and seen[-1] < with_reference and routed.shape == plain.shape
         finally:
             handle.remove()
             probe.remove()
             transformer.eval()
 
-    def test_eval_loss_with_a_reference_repeats(self, adapter, transformer, text, latents, references):
+    def test_eval_loss_with_a_reference_repeats(self, adapter, transformer, latents, references):
         from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
 
-        cond = self.with_reference({k: v[0] for k, v in text.items()}, references[0][1][0])
+        cond = {k: v[0] for k, v in references[0][1].items()}
         item = EvalItem("sample-key", latents[0], cond)
         first = evaluation_loss(adapter, transformer, [item])
         assert first == evaluation_loss(adapter, transformer, [item]) and all(v > 0 for v in first.values())

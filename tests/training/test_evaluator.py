@@ -190,7 +190,9 @@ def test_fill_caches_encodes_each_reference_once_per_resolution(make_setup):
     forwards = adapter.vae_forwards
     assert forwards >= 2 and set(ev._references) == {(reference, 32, 32), (reference, 48, 32)}
     (item,) = ev.prompts
-    assert ev.reference_latents(item, 48, 32).shape == (4, 4, 6) and adapter.vae_forwards == forwards
+    reference_48x32 = ev.reference_latents(item, 48, 32)
+    assert reference_48x32["reference_latents"].shape == (4, 4, 6) and adapter.vae_forwards == forwards
+    assert reference_48x32["reference_pixels"].shape == (3, 32, 48)  # for a pipeline that takes the image itself
     # a model without references ignores them
     plain = _evaluator(make_setup, FluxAdapter(flux_config()), validation_steps=2, validation_prompt="x",
                        eval_dataset=False, validation_reference_image=reference)

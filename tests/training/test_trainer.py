@@ -36,6 +36,100 @@ def test_regularisation_samples_train_towards_the_base_model(setup):
     assert transformer.active_adapters()  # adapters are switched back on afterwards
 
 
+REGULARISATION = namespace(image_datasets=[namespace(is_regularisation_data=True)])
+
+
+@pytest.fixture(scope="module")
+def full_setup(setup):
+    """A full fine-tune of the tiny Flux: its frozen base copy, and the trained transformer a few updates away."""
+    from simpletuner.training.trainer import build_regularisation_base
+
+    _, _, _, text = setup
+    config = flux_config(model_type="full")
+    adapter = FluxAdapter(config)
+    base = build_regularisation_base(config, adapter, REGULARISATION, torch.device("cpu"))
+    trained = adapter.load_transformer().requires_grad_(True)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return config, adapter, trained, base, text
+
+
+def test_full_fine_tune_regularisation_targets_the_frozen_base(full_setup):
+    """A regularisation sample's target in a full fine-tune is the frozen base model's prediction for the same noisy
+    latents and timestep; an ordinary sample's is the objective's; only the trained copy gets gradients."""
+    config, adapter, trained, base, text = full_setup
+    assert not any(p.requires_grad for p in base.parameters()) and not base.training
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    is_reg = torch.tensor([True, False])
+    trained.zero_grad(set_to_none=True)
+    loss = compute_loss(config, adapter, trained, latents, text, is_reg, torch.Generator().manual_seed(3),
+                        base_model=base)
+    loss.backward()
+    assert all(p.grad is None for p in base.parameters())
+    assert all(p.grad is not None for p in trained.parameters() if p.requires_grad)
+
+    # the same draws by hand: noise, then timesteps, from the step's generator
+    objective, g = adapter.objective, torch.Generator().manual_seed(3)
+    noise = torch.randn(latents.shape, generator=g)
+    t = objective.sample_timesteps(2, generator=g, image_seq_len=adapter.image_seq_len(latents.shape))
+    noisy = objective.add_noise(latents, noise, t)
+    with torch.no_grad():
+        pred = adapter.predict(trained, noisy, t, text)
+        base_pred = adapter.predict(base, noisy, t, text)
+    target = torch.stack([base_pred[0], objective.target(latents, noise, t)[1]])
+    assert torch.allclose(loss.detach(), objective.loss(pred, target, t), rtol=1e-6, atol=1e-7)
+    # the base's prediction is not what an ordinary sample is trained towards
+    as_data = objective.loss(pred, objective.target(latents, noise, t), t)
+    assert (as_data - loss.detach()).abs() > 1e-3
+
+
+def test_full_fine_tune_regularisation_at_the_base_has_zero_loss(full_setup):
+    """Before any update the trained copy is the base: regularisation samples have nothing to learn (zero loss),
+    the same samples as ordinary data do."""
+    config, adapter, _, base, text = full_setup
+    fresh = adapter.load_transformer().requires_grad_(True)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    reg = compute_loss(config, adapter, fresh, latents, text, torch.tensor([True, True]),
+                       torch.Generator().manual_seed(0), base_model=base)
+    assert reg.item() == 0.0
+    plain = compute_loss(config, adapter, fresh, latents, text, torch.tensor([False, False]),
+                         torch.Generator().manual_seed(0), base_model=base)
+    assert plain.item() > 0.1
+
+
+def test_full_fine_tune_never_trains_regularisation_data_as_ordinary_data(full_setup):
+    config, adapter, trained, _, text = full_setup
+    with pytest.raises(ValueError, match="is_regularisation_data: a full fine-tune"):
+        compute_loss(config, adapter, trained, torch.randn(2, 4, 8, 8), text, torch.tensor([True, False]),
+                     torch.Generator().manual_seed(0))
+
+
+def test_regularisation_base_is_built_only_where_it_acts(full_setup):
+    from simpletuner.training.trainer import build_regularisation_base
+
+    _, adapter, _, base, text = full_setup
+    plain = namespace(image_datasets=[namespace(is_regularisation_data=False)])
+    assert build_regularisation_base(flux_config(model_type="full"), adapter, plain, torch.device("cpu")) is None
+    assert build_regularisation_base(flux_config(), adapter, REGULARISATION, torch.device("cpu")) is None  # LoRA
+
+
+def test_regularisation_base_offloaded_to_the_cpu_predicts_the_same(full_setup):
+    """``regularisation_base_device: cpu`` keeps the copy behind diffusers' group-offload hooks (each block onloaded
+    while it runs); its prediction is the resident copy's."""
+    from simpletuner.training.offload import group_offload_enabled
+    from simpletuner.training.trainer import build_regularisation_base
+
+    _, adapter, _, base, text = full_setup
+    config = flux_config(model_type="full", regularisation_base_device="cpu")
+    offloaded = build_regularisation_base(config, adapter, REGULARISATION, torch.device("cpu"))
+    assert group_offload_enabled(offloaded) and not group_offload_enabled(base)
+    latents, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(6)), torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        assert torch.equal(adapter.predict(offloaded, latents, t, text), adapter.predict(base, latents, t, text))
+
+
 def test_lora_gradients_flow_only_into_lora_weights(setup):
     config, adapter, transformer, text = setup
     transformer.zero_grad(set_to_none=True)
