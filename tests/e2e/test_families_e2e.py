@@ -5,9 +5,9 @@ checkpoint continues bit for bit, and the exported LoRA changes what the family'
 reference image, for an edit model; from the first frame, for an image-to-video model).
 
 The examples are meant for real weights on a GPU; the only overrides are the ones the tiny flavour on a CPU needs:
-``model_flavour=tiny`` (or ``tiny-<variant>``), fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps;
-a video family's example (its row's ``modality``) trains on datasets/sample_video with short clips and must also
-write a validation mp4 of the expected frame count.
+``model_flavour=tiny`` (or ``tiny-<variant>``), fp32 (``mixed_precision=no``), a small dataset resolution and short
+validation, a few steps; a video family's example (its row's ``modality``) trains on datasets/sample_video with short
+clips and must also write a validation mp4 of the expected frame count.
 """
 
 from __future__ import annotations

@@ -125,8 +125,8 @@ def test_group_offload_trains_the_transformer_like_the_plain_run(precision, tmp_
 
     dataset = tmp_path / "clips"
     shutil.copytree(REPO / "datasets" / "sample_video", dataset)
-    entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
-                "resolution": 64, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae"),
+    entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(dataset),
+                "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae"),
                 "video": {"num_frames": 5, "frame_rate": 8}},
                {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
     losses = []
