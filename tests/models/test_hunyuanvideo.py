@@ -4,16 +4,12 @@ mask slice, and group offload + int8 quantization training the transformer exact
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from simpletuner.config import load_data_backends
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.hunyuanvideo import HunyuanVideoAdapter, slice_video_rotary, slice_video_text_mask
-from tests.conftest import REPO
-from tests.models.contract import family_config
+from tests.models.contract import family_config, group_offload_losses
 
 PROMPTS = ["a red circle", "a blue square on the green background, moving left"]
 
@@ -121,19 +117,5 @@ def test_tread_slices_video_rotary_and_key_mask_to_the_kept_tokens():
 
 @pytest.mark.parametrize("precision", ["int8-quanto"])
 def test_group_offload_trains_the_transformer_like_the_plain_run(precision, tmp_path):
-    from simpletuner.training.trainer import train
-
-    dataset = tmp_path / "clips"
-    shutil.copytree(REPO / "datasets" / "sample_video", dataset)
-    entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(dataset),
-                "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae"),
-                "video": {"num_frames": 5, "frame_rate": 8}},
-               {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
-    losses = []
-    for offload in (False, True):
-        config = family_config("hunyuanvideo", output_dir=str(tmp_path / f"out-{offload}"), max_train_steps=2,
-                               learning_rate=1e-2, base_model_precision=precision, gradient_checkpointing=True,
-                               enable_group_offload=offload, group_offload_type="block_level",
-                               group_offload_blocks_per_group=1)
-        losses.append(train(config, load_data_backends(entries, config=config)).losses)
+    losses = group_offload_losses("hunyuanvideo", tmp_path, precision)
     assert len(losses[0]) == 2 and losses[0] == losses[1]
