@@ -113,11 +113,11 @@ class HunyuanVideoAdapter(ModelAdapter):
                                                    max_sequence_length=self.text_length)
         self.text_encoder_forwards += 1
         self.offload_idle()
-        # each prompt keeps its own tokens only; a batch pads them again (TextEmbedding.collate)
-        return [TextEmbedding({"prompt_embeds": embeds[i, :n].float().cpu(),
-                               "prompt_attention_mask": torch.ones(n, dtype=torch.bool),
-                               "pooled_prompt_embeds": pooled[i].float().cpu()})
-                for i, n in enumerate(int(n) for n in mask.sum(1).tolist())]
+        # each prompt keeps its own tokens only; a batch right-pads them again (TextEmbedding.collate)
+        kept = [embeds[i][mask[i].bool()] for i in range(len(prompts))]
+        return [TextEmbedding({"prompt_embeds": tokens.float().cpu(),
+                               "prompt_attention_mask": torch.ones(tokens.shape[0], dtype=torch.bool),
+                               "pooled_prompt_embeds": pooled[i].float().cpu()}) for i, tokens in enumerate(kept)]
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
