@@ -4,6 +4,7 @@ with and without TREAD routing. Prints a markdown table of median step times and
     .venv/bin/python benchmarks/tread_bench.py                       # Flux, 2048 image tokens, routes over 2..-2
     .venv/bin/python benchmarks/tread_bench.py --family sd3 --ratios 0.5
     .venv/bin/python benchmarks/tread_bench.py --family wan  # a Wan video latent: 4 x 32 x 64 = 8192 video tokens
+    .venv/bin/python benchmarks/tread_bench.py --family hunyuanvideo --ratios 0.5 --steps 3
     .venv/bin/python benchmarks/tread_bench.py --help
 
 Flux (the default): diffusers' FluxTransformer2DModel with random weights: 2 double + 10 single blocks (12 layers),
@@ -16,7 +17,9 @@ in the real models at high resolution. With ``--family wan`` the model is diffus
 hidden 128) on a (16, 4, 64, 128) video latent (2x2 patches: 4 x 32 x 64 = 8192 tokens, 3-D RoPE sliced per sample
 by simpletuner.models.wan's layout) and 64 text tokens. Configs are timed round-robin so background load hits them
 alike. ``--family qwen_image`` times a Qwen-Image-shaped transformer (the same 12 blocks, all dual-stream,
-routed by the Qwen-Image adapter's TREAD layout).
+routed by the Qwen-Image adapter's TREAD layout). ``--family hunyuanvideo`` times diffusers'
+HunyuanVideoTransformer3DModel (2 dual- + 10 single-stream blocks, hidden 128) on the same (16, 4, 64, 128) video
+latent as Wan (8192 video tokens) through the HunyuanVideo adapter's ``predict`` and TREAD layout.
 """
 
 from __future__ import annotations
@@ -123,6 +126,16 @@ def _family_model(args):
         latents = torch.randn(args.batch, 16, h, w, generator=g)
         text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g),
                 "prompt_attention_mask": torch.ones(args.batch, n_txt)}
+    elif args.family == "hunyuanvideo":  # dual- then single-stream blocks over a (frames, h, w) video latent
+        # no guidance embedding: it is one small MLP of the timestep, and the bench's adapter has no config to feed it
+        config = dict(
+            in_channels=16, out_channels=16, num_attention_heads=args.heads, attention_head_dim=args.head_dim,
+            num_layers=args.double, num_single_layers=args.single, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+            guidance_embeds=False, text_embed_dim=64, pooled_projection_dim=64, rope_axes_dim=rope_axes(args.head_dim))
+        latents = torch.randn(args.batch, 16, args.frames, h, w, generator=g)
+        text = {"prompt_embeds": torch.randn(args.batch, n_txt, 64, generator=g),
+                "prompt_attention_mask": torch.ones(args.batch, n_txt),
+                "pooled_prompt_embeds": torch.randn(args.batch, 64, generator=g)}
     else:
         raise SystemExit(f"--family: {args.family!r} has no bench model; one of {', '.join(FAMILIES)}")
     return config, latents, text
@@ -214,7 +227,7 @@ def build_qwen_image(args):
     return model, batch, qwen_image_tread_layout(model)
 
 
-FAMILIES = ("flux", "sd3", "auraflow", "pixart_sigma", "chroma", "wan", "qwen_image")
+FAMILIES = ("flux", "sd3", "auraflow", "pixart_sigma", "chroma", "wan", "qwen_image", "hunyuanvideo")
 
 
 def main():
@@ -235,7 +248,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 keeps timings steady on a shared machine)")
     parser.add_argument("--checkpointing", action="store_true", help="enable gradient checkpointing")
-    parser.add_argument("--frames", type=int, default=4, help="latent frames (--family wan)")
+    parser.add_argument("--frames", type=int, default=4, help="latent frames (--family wan, hunyuanvideo)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -270,7 +283,7 @@ def main():
 
     times = round_robin(run, configs, args.steps)
 
-    n_img = args.latent_h * args.latent_w * (args.frames if args.family == "wan" else 1)
+    n_img = args.latent_h * args.latent_w * (args.frames if args.family in ("wan", "hunyuanvideo") else 1)
     n_layers = args.double + args.single
     one_kind = args.family in ("sd3", "pixart_sigma", "wan", "qwen_image")
     kinds = "one kind of block" if one_kind else f"{args.double} double + {args.single} single"

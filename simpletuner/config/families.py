@@ -173,6 +173,20 @@ LTXVIDEO = ModelFamily(
     modality="video",
 )
 
+HUNYUANVIDEO = ModelFamily(
+    name="hunyuanvideo",
+    description="Tencent HunyuanVideo (13B guidance-distilled video DiT, flow matching, Llama-3 8B + CLIP-L text)",
+    adapter="simpletuner.models.hunyuanvideo:HunyuanVideoAdapter",
+    flavours=MappingProxyType({"t2v-720p": "hunyuanvideo-community/HunyuanVideo", "tiny": None}),
+    default_flavour="t2v-720p",
+    lora_targets=("all", "all+ffs"),
+    default_lora_target="all",
+    guidance_embeds=True,
+    num_text_encoders=2,
+    max_text_length=256,
+    modality="video",
+)
+
 SD3 = ModelFamily(
     name="sd3",
     description="Stability AI Stable Diffusion 3 / 3.5 (MMDiT, flow matching, CLIP-L + CLIP-G + T5-XXL text encoders)",
@@ -385,7 +399,7 @@ KOLORS = ModelFamily(
 
 _FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, HIDREAM, QWEN_IMAGE, COSMOS2IMAGE,
-                        FLUX2, Z_IMAGE, SDXL, KOLORS, WAN, LTXVIDEO)
+                        FLUX2, Z_IMAGE, SDXL, KOLORS, WAN, LTXVIDEO, HUNYUANVIDEO)
 }
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 
@@ -393,7 +407,6 @@ FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 PLANNED_FAMILIES: tuple[str, ...] = (
     "sd1x",
     "sd2x",
-    "hunyuanvideo",
     "omnigen",
 )
 

@@ -239,13 +239,13 @@ def qwen2_tokenizer(max_length: int = 32768, chat_template: str | None = QWEN3_C
 
 
 def fast_byte_level_tokenizer(*, bos: str, eos: str, specials=(), max_length: int = 131072, add_bos: bool = True,
-                              chat_template: str | None = None):
+                              chat_template: str | None = None, words=TEMPLATE_WORDS):
     """A byte-level BPE ``PreTrainedTokenizerFast`` that prepends ``bos`` (Llama 3's and Mistral's tokenizers are
-    of this kind), with the template words as single tokens."""
+    of this kind), with the template ``words`` as single tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = byte_level_bpe(TEMPLATE_WORDS)
+    vocab, merges = byte_level_bpe(words)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

@@ -135,17 +135,23 @@ def test_probe_reads_the_sample_clips():
     assert (info.frames, info.fps, info.width, info.height) == (48, 24.0, 64, 64)
 
 
-def test_training_skips_bad_videos_and_counts_them(clips, tmp_path):
-    """Through the real trainer (tiny Wan): broken files are left out before the first step and the run summary
-    counts them per dataset."""
+def test_training_skips_bad_videos_and_counts_them(clips, tmp_path, caplog):
+    """Through the real trainer (tiny Wan): an unreadable file, a corrupt header, a clip shorter than min_frames and
+    a file that fails to decode while caching are each left out before the first step with a warning naming it, and
+    the dataset summary (log line and run summary) counts them."""
     import json
 
+    from simpletuner.evaluation.video import write_mp4
     from simpletuner.training.trainer import train
     from tests.models.contract import family_config
 
     (clips / "unreadable.mp4").write_bytes(b"not a video")
     (clips / "unreadable.txt").write_text("x")
     raw = (clips / "00_purple_circle.mp4").read_bytes()
+    (clips / "corrupt_header.mp4").write_bytes(b"\x00" * 64 + raw[64:])
+    (clips / "corrupt_header.txt").write_text("a corrupt header")
+    write_mp4(clips / "short.mp4", decode_frames(clips / "00_purple_circle.mp4", (0, 1)), 24)  # 1 frame at 8 fps
+    (clips / "short.txt").write_text("too short")
     (clips / "truncated.mp4").write_bytes(raw[: len(raw) // 3])  # probes as 48 frames, fails to decode
     (clips / "truncated.txt").write_text("a truncated clip")
     entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(clips), "caption_strategy": "textfile",
@@ -153,6 +159,11 @@ def test_training_skips_bad_videos_and_counts_them(clips, tmp_path):
                 "video": {"num_frames": 5, "frame_rate": 8}},
                {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
     config = family_config("wan", output_dir=str(tmp_path / "out"), max_train_steps=2, train_batch_size=2)
-    result = train(config, load_data_backends(entries, config=config))
-    assert result.global_step == 2 and result.skipped_files == {"clips": 2}
-    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["skipped_files"] == {"clips": 2}
+    with caplog.at_level(logging.INFO):
+        result = train(config, load_data_backends(entries, config=config))
+    assert result.global_step == 2 and result.skipped_files == {"clips": 4}
+    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["skipped_files"] == {"clips": 4}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    for name in ("unreadable.mp4", "corrupt_header.mp4", "short.mp4", "truncated.mp4"):
+        assert any(name in message for message in warnings), (name, warnings)
+    assert "datasets[clips]: " in caplog.text and "4 file(s) skipped" in caplog.text

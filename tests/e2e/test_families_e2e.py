@@ -1,12 +1,13 @@
 """Every quickstart example (``config/examples/<name>/``: one per family, named after it, plus its edit flavours'
-such as ``kontext``) trained by ``simpletuner train`` on its family's tiny flavour in a real subprocess: the loss on a
-fixed batch of the training images falls, a run resumed from its checkpoint continues bit for bit, and the exported
-LoRA changes what the family's pipeline generates (from the batch's reference image, for an edit model).
+such as ``kontext``) trained by ``simpletuner train`` on each of its family's tiny flavours (Wan's T2V, I2V and 2.2
+experts) in a real subprocess: the loss on a fixed batch of the training images falls, a run resumed from its
+checkpoint continues bit for bit, and the exported LoRA changes what the family's pipeline generates (from the batch's
+reference image, for an edit model; from the first frame, for an image-to-video model).
 
 The examples are meant for real weights on a GPU; the only overrides are the ones the tiny flavour on a CPU needs:
-``model_flavour=tiny``, fp32 (``mixed_precision=no``), a small dataset resolution and short validation, a few steps;
-a video family's example (its row's ``modality``) trains on datasets/sample_video with short clips and must also
-write a validation mp4 of the expected frame count.
+``model_flavour=tiny`` (or ``tiny-<variant>``), fp32 (``mixed_precision=no``), a small dataset resolution and short
+validation, a few steps; a video family's example (its row's ``modality``) trains on datasets/sample_video with short
+clips and must also write a validation mp4 of the expected frame count.
 """
 
 from __future__ import annotations
@@ -82,8 +83,18 @@ def example_in(work: Path, name: str, resolution: int, frames: int | None = None
     return target / "config.json"
 
 
-@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()))
-def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monkeypatch):
+def example_cases() -> list[tuple[str, str]]:
+    """(example, tiny flavour): every example on each tiny flavour of its family (Wan has one per architecture: T2V,
+    I2V, 2.2's high- and low-noise experts)."""
+    from simpletuner.config.families import tiny_flavours
+
+    return [(name, flavour) for name in sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
+            for flavour in tiny_flavours(get_family(example_family(name)))]
+
+
+@pytest.mark.parametrize("example,flavour", example_cases(),
+                         ids=[n if f == "tiny" else f"{n}[{f}]" for n, f in example_cases()])
+def test_example_trains_resumes_and_changes_the_pipeline(example, flavour, tmp_path, monkeypatch):
     from simpletuner.config import load_train_config
     from simpletuner.models.base import TextEmbedding
     from simpletuner.models.registry import get_adapter_class
@@ -94,7 +105,7 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
     video = get_family(family).modality == "video"
     frames = adapter_cls.temporal_compression + 1 if video else None  # two latent frames
     config = example_in(tmp_path, example, size, frames)
-    common = ["model_flavour=tiny", "mixed_precision=no", "lr_warmup_steps=0", "learning_rate=5e-3",
+    common = [f"model_flavour={flavour}", "mixed_precision=no", "lr_warmup_steps=0", "learning_rate=5e-3",
               f"max_train_steps={STEPS}", f"checkpointing_steps={RESUME_AT}", "checkpoints_total_limit=",
               "resume_from_checkpoint=", f"validation_resolution={size}", "validation_num_inference_steps=2",
               "lora_dropout=0", "seed=7"]
@@ -153,11 +164,14 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
         by_size.setdefault(s.target_size, []).append(s)
     batch = max(by_size.values(), key=len)[:4]
 
-    latents = adapter.encode_images(torch.stack([load_pixels(s) for s in batch]))
+    # what the latent cache holds: the latents, and what a family conditions on from the same pixels (Wan I2V)
+    entries = adapter.latent_cache_entries(torch.stack([load_pixels(s) for s in batch]))
+    latents = torch.stack([e["latents"] for e in entries])
     references = [load_pixels(s.conditioning) for s in batch] if adapter.references else None
     # an edit model whose text encoder sees the reference encodes each caption with it
     text = TextEmbedding.collate(adapter.encode_text([s.caption for s in batch],
                                                      references if adapter.prompt_takes_reference else None))
+    text.update({k: torch.stack([e[k] for e in entries]) for k in entries[0] if k != "latents"})
     text.update(adapter.sample_conditioning(batch))
     if references is not None:
         text.update(reference_latents=adapter.encode_references(torch.stack(references)),
@@ -165,7 +179,9 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
     objective = adapter.objective
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
     levels = objective.eval_timesteps()
-    t = levels[torch.linspace(1, len(levels) - 2, len(batch)).round().long()]
+    covered = levels[[objective.covers(level.reshape(1)) for level in levels]]  # a 2.2 expert trains part of them
+    t = (levels[torch.linspace(1, len(levels) - 2, len(batch)).round().long()] if len(covered) == len(levels)
+         else covered[torch.arange(len(batch)) % len(covered)])
 
     def fixed_batch_loss() -> float:
         with torch.no_grad():
@@ -173,8 +189,9 @@ def test_example_trains_resumes_and_changes_the_pipeline(example, tmp_path, monk
         return objective.loss(pred, objective.target(latents, noise, t), t).item()
 
     def generate():
-        kwargs = adapter.validation_pipeline_kwargs({k: v[:1] for k, v in text.items()}, None, guidance=1.0,
-                                                    guidance_real=1.0)
+        one = {k: v[:1] for k, v in text.items()}
+        kwargs = adapter.validation_pipeline_kwargs(one, None, guidance=1.0, guidance_real=1.0)
+        kwargs.update(adapter.validation_conditioning(one, size, size))  # I2V: the first frame to animate
         out = pipe(**adapter.pipeline_call_kwargs(height=size, width=size, num_frames=frames), num_inference_steps=2,
                    generator=torch.Generator().manual_seed(0), output_type="np", **kwargs)
         return torch.as_tensor(out.frames if video else out.images)

@@ -47,6 +47,28 @@ def family_config(family: str, **overrides):
     return load_train_config(values).config
 
 
+def group_offload_losses(family: str, tmp_path, precision: str, flavour: str = "tiny") -> list[list[float]]:
+    """The losses of two 2-step LoRA runs of a tiny video family on short clips of datasets/sample_video with a
+    quantized base and gradient checkpointing: without, then with block-level group offload (one block a group)."""
+    from simpletuner.training.trainer import train
+
+    dataset = tmp_path / "clips"
+    shutil.copytree(REPO / "datasets" / "sample_video", dataset)
+    frames = get_adapter_class(family).temporal_compression + 1
+    entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(dataset),
+                "caption_strategy": "textfile", "resolution": 64, "resolution_type": "pixel",
+                "cache_dir_vae": str(tmp_path / "cache/vae"), "video": {"num_frames": frames, "frame_rate": 8}},
+               {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
+    losses = []
+    for offload in (False, True):
+        config = family_config(family, model_flavour=flavour, output_dir=str(tmp_path / f"out-{offload}"),
+                               max_train_steps=2, learning_rate=1e-2, base_model_precision=precision,
+                               gradient_checkpointing=True, enable_group_offload=offload,
+                               group_offload_type="block_level", group_offload_blocks_per_group=1)
+        losses.append(train(config, load_data_backends(entries, config=config)).losses)
+    return losses
+
+
 def _capture_scheduler_input(pipe):
     """Record the model output the pipeline hands its scheduler's first ``step``."""
     captured = []

@@ -3,15 +3,11 @@ group offload + int8 quantization training a video transformer exactly as the pl
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from simpletuner.config import load_data_backends
 from simpletuner.models.wan import WanAdapter, slice_wan_rotary
-from tests.conftest import REPO
-from tests.models.contract import family_config
+from tests.models.contract import family_config, group_offload_losses
 
 
 def test_an_expert_trains_only_its_part_of_the_schedule(tiny_dir):
@@ -37,19 +33,5 @@ def test_rope_is_sliced_per_sample():
 
 @pytest.mark.parametrize("precision", ["int8-quanto"])
 def test_group_offload_trains_a_video_transformer_like_the_plain_run(precision, tmp_path):
-    from simpletuner.training.trainer import train
-
-    dataset = tmp_path / "clips"
-    shutil.copytree(REPO / "datasets" / "sample_video", dataset)
-    entries = [{"id": "clips", "dataset_type": "video", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
-                "resolution": 64, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae"),
-                "video": {"num_frames": 5, "frame_rate": 8}},
-               {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
-    losses = []
-    for offload in (False, True):
-        config = family_config("wan", output_dir=str(tmp_path / f"out-{offload}"), max_train_steps=2,
-                               learning_rate=1e-2, base_model_precision=precision, gradient_checkpointing=True,
-                               enable_group_offload=offload, group_offload_type="block_level",
-                               group_offload_blocks_per_group=1)
-        losses.append(train(config, load_data_backends(entries, config=config)).losses)
+    losses = group_offload_losses("wan", tmp_path, precision)
     assert len(losses[0]) == 2 and losses[0] == losses[1]
