@@ -7,6 +7,9 @@
 #
 #   MUTATION_CHILDREN=2   mutants tested in parallel (default 1: the machine's cores are shared)
 #   MUTATION_NICE=10      niceness of the run
+#   MUTATION_PYTEST_ARGS="-k 'not slow_test'"   more pytest arguments for choosing the tests (word-split)
+#   MUTATION_TESTS_FROM=REF   run against the tests/ of git commit REF instead of the work tree's (a "before"
+#                         score: the same mutants against the suite as it was; run again without it for "after")
 #
 # Each module runs in its own scratch copy of the work tree, .mutation/<name>/ (mutmut keeps its state there, so a
 # second run re-tests only what changed). The score of each run is appended to .mutation/scores.tsv and printed:
@@ -46,6 +49,9 @@ for n in "${names[@]}"; do row_of "$n" >/dev/null || { echo "unknown module '$n'
 [ -x "$VENV/bin/python" ] || bash scripts/install.sh --test
 "$VENV/bin/python" -c "import mutmut" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$MUTMUT_SPEC"
 
+extra_args=()
+[ -z "${MUTATION_PYTEST_ARGS:-}" ] || eval "extra_args=(${MUTATION_PYTEST_ARGS})"
+
 toml_list() { local out="" x; for x in "$@"; do out+="${out:+, }\"$x\""; done; echo "[$out]"; }
 
 for name in "${names[@]}"; do
@@ -56,6 +62,9 @@ for name in "${names[@]}"; do
   mkdir -p "$work"
   # the work tree as git sees it (tracked and untracked-not-ignored files), over the previous copy
   git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$work"
+  if [ -n "${MUTATION_TESTS_FROM:-}" ]; then
+    rm -rf "$work/tests" && git archive "$MUTATION_TESTS_FROM" tests | tar -xf - -C "$work"
+  fi
   cat >>"$work/pyproject.toml" <<EOF
 
 [tool.mutmut]
@@ -65,7 +74,7 @@ also_copy = ["webui/", "datasets/", "config/", "benchmarks/", "scripts/", "READM
 pytest_add_cli_args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q"]
 # e2e tests run the code under test in other processes (from the work tree, not the mutated copy): they can kill
 # no mutant here, and would only make every survivor slower
-pytest_add_cli_args_test_selection = $(toml_list "${test_list[@]}" -m "not e2e and not browser")
+pytest_add_cli_args_test_selection = $(toml_list "${test_list[@]}" -m "not e2e and not browser" "${extra_args[@]}")
 # torch is not fork-safe: workers fork from a server process that never ran a test
 process_isolation = "forkserver"
 use_setproctitle = false
@@ -75,14 +84,16 @@ EOF
   (cd "$work" && nice -n "$NICE" "$VENV/bin/mutmut" run --max-children "$CHILDREN") || echo "mutmut run exited $? for $name" >&2
   (cd "$work" && "$VENV/bin/mutmut" export-cicd-stats >/dev/null)
   "$VENV/bin/python" - "$work/mutants/mutmut-cicd-stats.json" "$name" "$(( $(date +%s) - start ))" \
-    "$REPO/.mutation/scores.tsv" <<'EOF'
+    "$REPO/.mutation/scores.tsv" "${MUTATION_TESTS_FROM:-work tree}" <<'EOF'
 import json, sys, time
 stats, name, seconds, table = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+tests_from = sys.argv[5]
 killed = stats["killed"] + stats["timeout"]
 total = stats["total"] - stats["skipped"]
 score = 100.0 * killed / total if total else 0.0
 line = (f"{name}\t{killed}/{total}\t{score:.1f}%\tsurvived={stats['survived']}\tno_tests={stats['no_tests']}"
-        f"\tsuspicious={stats['suspicious']}\ttimeout={stats['timeout']}\t{seconds}s\t{time.strftime('%Y-%m-%d %H:%M')}")
+        f"\tsuspicious={stats['suspicious']}\ttimeout={stats['timeout']}\t{seconds}s\ttests={tests_from}"
+        f"\t{time.strftime('%Y-%m-%d %H:%M')}")
 print(line)
 with open(table, "a") as fh:
     fh.write(line + "\n")
