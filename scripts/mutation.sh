@@ -8,13 +8,15 @@
 #   MUTATION_CHILDREN=2   mutants tested in parallel (default 1: the machine's cores are shared)
 #   MUTATION_NICE=10      niceness of the run
 #   MUTATION_PYTEST_ARGS="-k 'not slow_test'"   more pytest arguments for choosing the tests (word-split)
+#   MUTATION_ONLY="simpletuner.config.versions.*"   only these mutants (mutmut's names, fnmatch patterns,
+#                         space-separated): a part of a module, scored on its own
 #   MUTATION_TESTS_FROM=REF   run against the tests/ of git commit REF instead of the work tree's (a "before"
 #                         score: the same mutants against the suite as it was; run again without it for "after")
 #
 # Each module runs in its own scratch copy of the work tree, .mutation/<name>/ (mutmut keeps its state there, so a
 # second run re-tests only what changed). The score of each run is appended to .mutation/scores.tsv and printed:
-# killed = mutants a test failed on (or that hung: mutmut's timeouts), of all mutants; "no tests" mutants (code
-# no selected test runs) count as survivors. To read a survivor:
+# killed = mutants a test failed on (or that hung: mutmut's timeouts), of all mutants checked; "no tests" mutants
+# (code no selected test runs) count as survivors. .mutation/<name>/survivors.txt lists them. To read one:
 #   cd .mutation/<name> && ../../.venv/bin/mutmut results        (every survivor's name)
 #   cd .mutation/<name> && ../../.venv/bin/mutmut show NAME      (its diff)
 # Not part of CI (.ci/run): a module takes minutes to an hour on this machine. docs/testing.md has the scores.
@@ -81,19 +83,30 @@ use_setproctitle = false
 EOF
   echo "==> $name: mutating ${mutate_list[*]} against ${test_list[*]}"
   start=$(date +%s)
-  (cd "$work" && nice -n "$NICE" "$VENV/bin/mutmut" run --max-children "$CHILDREN") || echo "mutmut run exited $? for $name" >&2
-  (cd "$work" && "$VENV/bin/mutmut" export-cicd-stats >/dev/null)
-  "$VENV/bin/python" - "$work/mutants/mutmut-cicd-stats.json" "$name" "$(( $(date +%s) - start ))" \
-    "$REPO/.mutation/scores.tsv" "${MUTATION_TESTS_FROM:-work tree}" <<'EOF'
-import json, sys, time
-stats, name, seconds, table = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-tests_from = sys.argv[5]
-killed = stats["killed"] + stats["timeout"]
-total = stats["total"] - stats["skipped"]
-score = 100.0 * killed / total if total else 0.0
-line = (f"{name}\t{killed}/{total}\t{score:.1f}%\tsurvived={stats['survived']}\tno_tests={stats['no_tests']}"
-        f"\tsuspicious={stats['suspicious']}\ttimeout={stats['timeout']}\t{seconds}s\ttests={tests_from}"
-        f"\t{time.strftime('%Y-%m-%d %H:%M')}")
+  read -ra only <<<"${MUTATION_ONLY:-}"
+  (cd "$work" && nice -n "$NICE" "$VENV/bin/mutmut" run --max-children "$CHILDREN" "${only[@]}") \
+    || echo "mutmut run exited $? for $name" >&2
+  (cd "$work" && "$VENV/bin/python" - "$name" "$(( $(date +%s) - start ))" "$REPO/.mutation/scores.tsv" \
+    "${MUTATION_TESTS_FROM:-work tree}" "${only[@]}") <<'EOF'
+import collections, fnmatch, json, pathlib, sys, time
+from mutmut.stats import status_by_exit_code
+name, seconds, table, tests_from, *only = sys.argv[1:]
+counts, survivors = collections.Counter(), []
+for meta in sorted(pathlib.Path("mutants").rglob("*.py.meta")):
+    for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+        if only and not any(fnmatch.fnmatch(key, p) for p in only):
+            continue
+        status = status_by_exit_code[code]
+        counts[status] += 1
+        if status in ("survived", "no tests", "suspicious"):
+            survivors.append(f"{status}\t{key}")
+pathlib.Path("survivors.txt").write_text("".join(line + "\n" for line in survivors))
+killed = counts["killed"] + counts["timeout"] + counts["caught by type check"]
+checked = sum(n for status, n in counts.items() if status not in ("not checked", "skipped"))
+score = 100.0 * killed / checked if checked else 0.0
+line = (f"{name}\t{killed}/{checked}\t{score:.1f}%\tsurvived={counts['survived']}\tno_tests={counts['no tests']}"
+        f"\tsuspicious={counts['suspicious']}\tnot_checked={counts['not checked']}\t{seconds}s\ttests={tests_from}"
+        f"\tonly={' '.join(only) or 'all'}\t{time.strftime('%Y-%m-%d %H:%M')}")
 print(line)
 with open(table, "a") as fh:
     fh.write(line + "\n")
