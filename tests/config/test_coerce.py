@@ -61,6 +61,7 @@ class Choices(StrictModel):
     count: Annotated[Optional[int], "meta"] = None
     required: int = 0
     caption_prompt: Optional[str] = None
+    maybe_mode: Optional[Literal["none", "x"]] = None
 
 
 def test_unwrap_reads_none_and_choices_through_optional_union_and_annotated():
@@ -85,6 +86,9 @@ def test_normalise_values_on_a_model():
     assert normalise_values(Choices, {"zzz": 1, "mode": "FAST"}) == {"zzz": 1, "mode": "Fast"}
     assert normalise_values(Choices, {"plain": None, "mode": "SLOW"}) == {"plain": None, "mode": "slow"}
     assert normalise_values(Choices, {"either": None}) == {"either": None}  # allows None: stays None
+    assert normalise_values(Choices, {"maybe_mode": None}) == {"maybe_mode": None}  # null, not the choice "none"
+    assert normalise_values(Choices, {"maybe_mode": "Null"}) == {"maybe_mode": "none"}  # a spelling: the choice
+    assert normalise_values(Choices, {"required": 5, "mode": "FAST"}) == {"required": 5, "mode": "Fast"}
     assert normalise_values(Choices, {"mode": "fast ", "plain": " x "}) == {"mode": "Fast", "plain": " x "}
     assert normalise_values(Choices, ["not", "a", "dict"]) == ["not", "a", "dict"]
     assert Choices.model_validate({"mode": "SLOW", "either": "A"}).either == "a"
@@ -107,7 +111,8 @@ def test_check_resolution_edges(resolution, kind, problem):
     else:
         assert message.startswith(problem)
     if kind == "area" and problem and "megapixels" in problem:
-        assert "use resolution_type 'pixel' or 'pixel_area' for pixel sizes" in message
+        assert message == ("100.5 megapixels is too large; with resolution_type 'area' the resolution is in "
+                           "megapixels (e.g. 1.0), use resolution_type 'pixel' or 'pixel_area' for pixel sizes")
 
 
 def test_parse_resolution_list():
