@@ -430,3 +430,116 @@ def test_a_job_that_needs_more_accelerators_than_the_server_has_fails_at_once(tm
     assert mgr._start_next() is False
     assert mgr.summary() == {"server_id": mgr.server_id, "max_concurrent": 2, "accelerators": ["0", "1"],
                              "running_here": []}
+
+
+def _finish_as(mgr: JobManager, job_id: int, status: str = "failed") -> None:
+    """A job that ran and ended: every per-attempt field set, as a real run leaves them."""
+    with mgr.db.session(write=True) as s:
+        job = s.get(JobRow, job_id)
+        job.status, job.attempt, job.retries, job.max_retries = status, 1, 2, 3
+        job.finished_at, job.started_at, job.exit_code, job.cancel_requested = time.time(), time.time() - 5, 3, True
+        job.pid, job.pgid, job.webhook_secret = 111, 111, "old-secret"
+        job.owner, job.owner_host, job.owner_pid = "someone:1:x", "somehost", 1
+        job.run_dir = str(mgr.run_dir_for(job_id))
+
+
+@pytest.mark.parametrize("checkpoint, start_over, reason, resumes", [
+    (None, False, "retry requested: no checkpoint yet, starts from step 0", None),
+    (7, False, "retry requested: resumes from step 7", 7),
+    (7, True, "retry requested: starts over from step 0", None),
+])
+def test_retry_requeues_one_finished_job_with_a_clean_attempt(tmp_path, workdir, checkpoint, start_over, reason,
+                                                              resumes):
+    from simpletuner.server.db import JobEventRow
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    job_id, other = _queue(mgr, 2)
+    _finish_as(mgr, job_id)
+    _finish_as(mgr, other)
+    if checkpoint is not None:
+        folder = mgr.run_dir_for(job_id) / "output" / f"checkpoint-{checkpoint}"
+        folder.mkdir(parents=True)
+        (folder / "training_state.json").write_text("{}")
+    returned = mgr.retry(job_id, start_over=start_over)
+    assert returned.id == job_id and returned.status == "queued"
+    job = _row(mgr, job_id)
+    assert (job.status, job.reason, bool(job.start_over), job.retries) == ("queued", reason, start_over, 0)
+    for name in ("finished_at", "exit_code", "pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
+                 "webhook_secret"):
+        assert getattr(job, name) is None, name
+    assert job.cancel_requested is False and job.max_retries == 3 and job.attempt == 1
+    assert _row(mgr, other).status == "failed"  # only the job asked for
+    with mgr.db.session() as s:
+        event = s.query(JobEventRow).filter_by(job_id=job_id).order_by(JobEventRow.id.desc()).first()
+    assert event.data["status"] == "queued" and event.data["start_over"] is start_over
+    assert event.data["resumes_from_step"] == resumes
+
+
+def test_retry_refuses_an_unfinished_job_and_ignores_an_unknown_one(tmp_path, workdir):
+    from simpletuner.server.queue import RetryConflict
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    with pytest.raises(RetryConflict, match=f"job {job_id} is queued; only a finished job can be retried"):
+        mgr.retry(job_id)
+    assert mgr.retry(job_id + 100) is None
+    with mgr.db.session(write=True) as s:  # a finished job without a run dir (it never started)
+        s.get(JobRow, job_id).status = "cancelled"
+    assert mgr.retry(job_id).reason == "retry requested: no checkpoint yet, starts from step 0"
+
+
+def test_a_crashed_trainer_is_requeued_while_retries_last(tmp_path, workdir):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    job_id, capped, cancelled = _queue(mgr, 1, max_retries=2)[0], _queue(mgr, 1)[0], _queue(mgr, 1, max_retries=2)[0]
+    for jid in (job_id, capped, cancelled):
+        _claim(mgr, jid)
+    (mgr.run_dir_for(job_id)).mkdir(parents=True, exist_ok=True)
+    (mgr.run_dir_for(job_id) / "train.log").write_text("oops\n")
+    assert mgr._retry_after_crash(job_id, "trainer exited with code 1", 1, {"k": 1}) is True
+    job = _row(mgr, job_id)
+    assert (job.status, job.retries, job.exit_code, job.results, job.log_tail) == ("queued", 1, 1, {"k": 1}, "oops")
+    assert job.reason == ("trainer exited with code 1; automatic retry 1 of 2, starts from step 0 (no checkpoint "
+                          "yet)")
+    assert all(getattr(job, n) is None for n in ("pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
+                                                  "webhook_secret"))
+    _claim(mgr, job_id)
+    folder = mgr.run_dir_for(job_id) / "output" / "checkpoint-4"
+    folder.mkdir(parents=True)
+    (folder / "training_state.json").write_text("{}")
+    assert mgr._retry_after_crash(job_id, "lost", None, {}) is True
+    assert _row(mgr, job_id).reason == "lost; automatic retry 2 of 2, resumes from step 4"
+    _claim(mgr, job_id)
+    assert mgr._retry_after_crash(job_id, "again", 1, {}) is False  # retries used up
+    assert _row(mgr, job_id).status == "running"
+    assert mgr._retry_after_crash(capped, "x", 1, {}) is False  # max_retries 0
+    mgr.cancel(cancelled)
+    assert mgr._retry_after_crash(cancelled, "x", 1, {}) is False  # a cancel is never retried
+    assert mgr._retry_after_crash(job_id + 100, "x", 1, {}) is False
+    with mgr.db.session(write=True) as s:  # no longer running (another server finished it): not re-queued
+        s.get(JobRow, capped).max_retries, s.get(JobRow, capped).status = 5, "failed"
+    assert mgr._retry_after_crash(capped, "x", 1, {}) is False and _row(mgr, capped).status == "failed"
+
+
+@pytest.mark.parametrize("env_secret, row_secret, env_job, pid_known, adopted", [
+    ("s", "s", True, True, True),
+    ("", None, True, True, True),  # a job started without a secret runs with an empty one
+    ("other", "s", True, True, False),  # right job id, wrong secret: a stranger
+    ("s", "s", False, True, False),  # right secret, another job's id
+    ("s", "s", True, False, False),  # the group lives but the leader's pid is unknown
+])
+def test_only_the_jobs_own_trainer_is_adopted(tmp_path, workdir, env_secret, row_secret, env_job, pid_known,
+                                              adopted):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mgr = _manager(tmp_path, workdir, url)
+    (job_id,) = _queue(mgr, 1)
+    env = {**os.environ, "SIMPLETUNER_JOB_ID": str(job_id if env_job else job_id + 1),
+           "SIMPLETUNER_WEBHOOK_SECRET": env_secret}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True)
+    try:
+        _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=proc.pid if pid_known else None, pgid=proc.pid,
+                      secret=row_secret)
+        fresh = _manager(tmp_path, workdir, url)
+        assert dict(fresh.reconcile()) == {job_id: "adopted" if adopted else "failed"}
+    finally:
+        proc.kill()
+        proc.wait()
