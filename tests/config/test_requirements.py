@@ -92,3 +92,24 @@ def test_is_installed_looks_without_importing():
 
     assert is_installed("json") and not is_installed("surely_not_a_module_here")
     assert not is_installed("json.surely_not_a_submodule")
+    # the parent is no package, or is missing: find_spec raises, and that means "not installed" too
+    assert not is_installed("math.sub") and not is_installed("surely_not_a_module_here.sub")
+
+
+def test_device_messages_in_full():
+    """What a user reads when a setting cannot run here: the whole sentence, with the alternative to use."""
+    messages = {e.path: e.message for e in device_errors(
+        {"optimizer": "bnb-lion", "text_encoder_1_precision": "nf4-bnb", "enable_model_cpu_offload": True,
+         "lora_init_type": "loftq"}, "cpu")}
+    assert messages == {
+        "optimizer": "'bnb-lion' uses bitsandbytes' CUDA kernels and this run is on cpu; use 'adamw', 'optimi-adamw', "
+                     "'optimi-lion' or 'ademamix' here",
+        "text_encoder_1_precision": "'nf4-bnb' quantizes with bitsandbytes on a CUDA GPU and this run is on cpu; use "
+                                    "'int4-quanto' or 'int8-torchao' here",
+        "lora_init_type": "'loftq' quantizes the base with bitsandbytes on a CUDA GPU and this run is on cpu; use "
+                          "'default' here",
+        "enable_model_cpu_offload": "the run is on the CPU, so there is no accelerator memory to offload the VAE and "
+                                    "text encoders from; remove it",
+    }
+    (error,) = device_errors({"base_model_precision": "fp8-quanto"}, "mps")
+    assert error.message == "'fp8-quanto' needs float8 support, which the mps device lacks; use 'int8-quanto'"
