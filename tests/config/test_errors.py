@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from simpletuner.config.errors import ConfigError, FieldError, join_path
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from simpletuner.config.errors import ConfigError, FieldError, _expected_values, errors_from_validation, join_path
 
 
 def test_prefixed_joins_every_path_and_keeps_the_source():
@@ -28,3 +33,60 @@ def test_rendering_with_and_without_a_source():
 def test_join_path():
     assert join_path("a", "b") == "a.b" and join_path("a", "[0].b") == "a[0].b"
     assert join_path("", "b") == "b" and join_path("a", "") == "a"
+
+
+class _Inner(BaseModel):
+    x: int = 0
+
+
+class _Every(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
+
+    count: int = 0
+    rate: float = 1.0
+    flag: bool = False
+    name: str = ""
+    sizes: list[int] = []
+    extra_args: dict = {}
+    inner: _Inner = _Inner()
+    mode: Literal["a", "b"] = "a"
+    needed: int
+    low: int = Field(1, ge=1, le=9)
+    high: float = Field(0.5, gt=0, lt=1)
+
+
+@pytest.mark.parametrize("values, path, message", [
+    ({"count": [1]}, "count", "expected an integer, got [1]"),
+    ({"count": "x"}, "count", "expected an integer, got 'x'"),
+    ({"count": 1.5}, "count", "expected an integer, got 1.5"),
+    ({"rate": [1]}, "rate", "expected a number, got [1]"),
+    ({"rate": "fast"}, "rate", "expected a number, got 'fast'"),
+    ({"rate": float("inf")}, "rate", "must be a finite number, got inf"),
+    ({"flag": [1]}, "flag", "expected true or false, got [1]"),
+    ({"flag": "maybe"}, "flag", "expected true or false, got 'maybe'"),
+    ({"name": 5}, "name", "expected a string, got 5"),
+    ({"sizes": "1024"}, "sizes", "expected a list, got '1024'"),
+    ({"extra_args": "a=1"}, "extra_args", "expected an object, got 'a=1'"),
+    ({"inner": 3}, "inner", "expected an object, got 3"),
+    ({"mode": "c"}, "mode", "'c' is not one of a, b"),
+    ({}, "needed", "is required"),
+    ({"typo": 1}, "typo", "unknown key"),
+    ({"low": 0}, "low", "must be >= 1, got 0"),
+    ({"low": 10}, "low", "must be <= 9, got 10"),
+    ({"high": 0}, "high", "must be > 0.0, got 0"),
+    ({"high": 1}, "high", "must be < 1.0, got 1"),
+])
+def test_pydantic_errors_are_rewritten_per_kind(values, path, message):
+    values = {"needed": 1, **values} if path != "needed" else values
+    try:
+        _Every.model_validate(values)
+    except ValidationError as exc:
+        assert errors_from_validation(exc) == [FieldError(path, message)]
+        assert errors_from_validation(exc, "datasets[d]") == [FieldError(join_path("datasets[d]", path), message)]
+    else:
+        raise AssertionError("no error")
+
+
+def test_expected_values_lists_choices_plainly():
+    assert _expected_values("'a', 'b' or 'c'") == "a, b, c"
+    assert _expected_values("a number") == "a number"  # nothing quoted: as it was
