@@ -13,7 +13,8 @@
 #   MUTATION_TESTS_FROM=REF   run against the tests/ of git commit REF instead of the work tree's (a "before"
 #                         score: the same mutants against the suite as it was; run again without it for "after")
 #
-# Each module runs in its own scratch copy of the work tree, .mutation/<name>/ (mutmut keeps its state there, so a
+# Each module runs in its own scratch copy of the work tree, .mutation/<name>/ (.mutation/<name>-tests-REF/ with
+# MUTATION_TESTS_FROM; mutmut keeps its state there, so a
 # second run re-tests only what changed). The score of each run is appended to .mutation/scores.tsv and printed:
 # killed = mutants a test failed on (or that hung: mutmut's timeouts), of all mutants checked; "no tests" mutants
 # (code no selected test runs) count as survivors. .mutation/<name>/survivors.txt lists them. To read one:
@@ -32,7 +33,7 @@ NICE="${MUTATION_NICE:-10}"
 TABLE=(
   "config|simpletuner/config/coerce.py simpletuner/config/versions.py simpletuner/config/train.py simpletuner/config/data.py simpletuner/config/loader.py simpletuner/config/errors.py simpletuner/config/files.py simpletuner/config/families.py simpletuner/config/simpletuner_keys.py simpletuner/config/requirements.py simpletuner/config/cli.py|tests/config"
   "paths|simpletuner/config/paths.py simpletuner/training/paths.py|tests/security tests/config/test_loader.py"
-  "queue|simpletuner/server/queue.py|tests/server/test_queue.py tests/server/test_retry.py tests/server/test_jobs.py"
+  "queue|simpletuner/server/queue.py|tests/server/test_queue.py tests/server/test_retry.py"
   "checkpoint|simpletuner/training/checkpoint.py|tests/training/test_checkpoint.py"
   "tread|simpletuner/training/tread.py|tests/training/test_tread.py"
   "cache|simpletuner/data/cache.py|tests/data/test_cache.py"
@@ -60,7 +61,7 @@ for name in "${names[@]}"; do
   IFS='|' read -r _ mutate tests <<<"$(row_of "$name")"
   read -ra mutate_list <<<"$mutate"
   read -ra test_list <<<"$tests"
-  work="$REPO/.mutation/$name"
+  work="$REPO/.mutation/$name${MUTATION_TESTS_FROM:+-tests-$MUTATION_TESTS_FROM}"  # a "before" run keeps its own copy
   mkdir -p "$work"
   # the work tree as git sees it (tracked and untracked-not-ignored files), over the previous copy
   git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$work"
