@@ -422,11 +422,20 @@ def test_a_job_that_needs_more_accelerators_than_the_server_has_fails_at_once(tm
     assert mgr.capacity_problem(2) is None and mgr.cost(2) == 2
     cpu = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db2.sqlite'}")
     assert cpu.capacity_problem(8) is None and cpu.cost(8) == 1  # the CPU: one slot whatever it asks
-    monkeypatch.setattr(mgr, "_launch", lambda job_id, devices: pytest.fail("launched"))
-    (big,) = _queue(mgr, 1, num_processes=3)
+    launched = []
+    monkeypatch.setattr(mgr, "_launch", lambda job_id, devices: launched.append(job_id))
+    big, small = _queue(mgr, 1, num_processes=3)[0], _queue(mgr, 1, num_processes=1)[0]
     assert mgr._start_next() is True
     job = _row(mgr, big)
     assert job.status == "failed" and job.reason == "needs 3 accelerators; this server has 2"
+    assert job.finished_at is not None and launched == []
+    assert _row(mgr, small).status == "queued"  # only that job fails
+    from simpletuner.server.db import JobEventRow
+
+    with mgr.db.session() as s:
+        events = [e.data["status"] for e in s.query(JobEventRow).filter_by(job_id=big).order_by(JobEventRow.id)]
+    assert events == ["queued", "failed"]
+    assert mgr._start_next() is True and launched == [small]
     assert mgr._start_next() is False
     assert mgr.summary() == {"server_id": mgr.server_id, "max_concurrent": 2, "accelerators": ["0", "1"],
                              "running_here": []}
@@ -543,3 +552,11 @@ def test_only_the_jobs_own_trainer_is_adopted(tmp_path, workdir, env_secret, row
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_reconcile_leaves_this_servers_own_jobs_to_its_scheduler(tmp_path, workdir):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    _claim(mgr, job_id)  # claimed by this server (no heartbeat yet, no process known)
+    assert mgr.reconcile() == []
+    assert _row(mgr, job_id).status == "running" and _row(mgr, job_id).owner == mgr.server_id
