@@ -258,3 +258,14 @@ def test_negative_prompts_have_their_own_identity(tmp_path):
     assert fill_text_cache(["blurry"], adapter, cache, 4, show_progress=False) == 1  # the positive one is apart
     assert cache.load(text_key("blurry", "te-v1|negative"))["prompt_embeds"][0, 0] == -1.0
     assert cache.load(text_key("blurry", "te-v1"))["prompt_embeds"][0, 0] == 6.0
+
+
+def test_a_bucket_of_only_unreadable_images_does_not_stop_the_next_bucket(tmp_path):
+    good = make_sample(tmp_path / "good.png", (96, 64))
+    bad_file = make_sample(tmp_path / "bad.png", (64, 64))
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    unreadable = []
+    adapter = BatchRecordingAdapter()
+    assert fill_latent_cache({str(tmp_path / "c"): [good, bad_file]}, adapter, 4, show_progress=False,
+                             unreadable=unreadable) == 1
+    assert adapter.batches == [(1, 3, 64, 96)] and [s.path for s, _ in unreadable] == [bad_file.path]
