@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from simpletuner.config.errors import ConfigError, FieldError, _expected_values, errors_from_validation, join_path
 
@@ -90,3 +90,29 @@ def test_pydantic_errors_are_rewritten_per_kind(values, path, message):
 def test_expected_values_lists_choices_plainly():
     assert _expected_values("'a', 'b' or 'c'") == "a, b, c"
     assert _expected_values("a number") == "a number"  # nothing quoted: as it was
+
+
+class _Checked(BaseModel):
+    even: int = 0
+
+    @field_validator("even")
+    @classmethod
+    def _even(cls, value):
+        if value % 2:
+            raise ValueError("must be even, like 2, 4 or 6")
+        return value
+
+
+def test_validator_messages_lose_pydantics_prefix_only():
+    try:
+        _Checked.model_validate({"even": 3})
+    except ValidationError as exc:
+        assert exc.errors()[0]["msg"] == "Value error, must be even, like 2, 4 or 6"
+        assert errors_from_validation(exc) == [FieldError("even", "must be even, like 2, 4 or 6")]
+    else:
+        raise AssertionError("no error")
+    # any other kind keeps pydantic's own message
+    try:
+        _Every.model_validate({"needed": 1, "sizes": [1, "x"]})
+    except ValidationError as exc:
+        assert errors_from_validation(exc) == [FieldError("sizes[1]", "expected an integer, got 'x'")]

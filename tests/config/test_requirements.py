@@ -72,6 +72,8 @@ def test_needed_packages_per_setting():
     assert needed_packages({"optimizer": "adamw", "base_model_precision": "no_change", "report_to": "none"}) == []
     assert [f for f, _ in needed_packages({"report_to": "tensorboard"})] == ["report_to"]
     assert [p.module for _, p in needed_packages({"lora_type": "lycoris"})] == ["lycoris"]  # lora is the default
+    assert [p.module for _, p in needed_packages({"lora_init_type": "loftq"})] == ["bitsandbytes"]
+    assert [p.module for _, p in needed_packages({"base_model_precision": None, "text_encoder_1_precision": ""})] == []
 
 
 def test_a_missing_package_names_the_setting_and_its_extra(monkeypatch):
