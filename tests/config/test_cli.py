@@ -333,3 +333,28 @@ def test_validate_in_process_tiny_flavour_with_other_weights(project, make_confi
     assert code == 1
     (error,) = report["errors"]
     assert error["path"] == "pretrained_model_name_or_path" and "the Hub model" in error["message"]
+
+
+def test_validate_in_process_a_broken_config_still_names_its_backends(project, make_config, make_backends, capsys,
+                                                                       monkeypatch):
+    """A config that does not load still has its data_backend_config read (from the file or from --set), so the
+    backends' errors are reported in the same run."""
+    (project / "other.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    config = make_config(**{"--lora_rank": "0", "--data_backend_config": "other.json"})
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    (project / "config" / "multidatabackend.json").unlink()
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1 and [(e["source"], e["path"]) for e in report["errors"]] == [
+        ("config/config.json", "lora_rank"), ("other.json", "datasets[pics].crop_style")]
+    (project / "third.json").write_text(json.dumps(make_backends(crop_style="sideways")))
+    code, out, _ = validate_in_process("--json", "--set", "data_backend_config=third.json", cwd=project,
+                                       capsys=capsys, monkeypatch=monkeypatch)
+    assert [e["source"] for e in json.loads(out)["errors"]] == ["config/config.json", "third.json"]
+
+
+def test_validate_in_process_set_value_may_hold_an_equals_sign(project, capsys, monkeypatch):
+    code, out, _ = validate_in_process("--json", "--set", "validation_prompt=a=b", cwd=project, capsys=capsys,
+                                       monkeypatch=monkeypatch)
+    assert code == 0 and json.loads(out)["config"]["validation_prompt"] == "a=b"
+    assert out.startswith('{\n  "ok": true,\n  "errors": []')  # indented for people, one key a line
