@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import flux_config
+from tests.helpers import flux_config, left_unchanged
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,14 +59,17 @@ def sample_dataset(tmp_path) -> Path:
 def tiny_adapter(tiny_flux_path):
     from simpletuner.models.flux import FluxAdapter
 
-    return FluxAdapter(flux_config())
+    adapter = FluxAdapter(flux_config())
+    with left_unchanged(adapter=adapter, what="the session's tiny_adapter"):
+        yield adapter
 
 
 @pytest.fixture(scope="session")
 def tiny_transformer(tiny_adapter):
     transformer = tiny_adapter.load_transformer()
     transformer.requires_grad_(False)
-    return transformer
+    with left_unchanged(model=transformer, what="the session's tiny_transformer"):
+        yield transformer
 
 
 @pytest.fixture

@@ -20,6 +20,23 @@ def flux_config(**overrides):
     return load_train_config(values).config
 
 
+@contextlib.contextmanager
+def left_unchanged(adapter=None, model=None, what: str = "a shared fixture"):
+    """Around a shared (module- or session-scoped) fixture's ``yield``: fails when a test changed the adapter's
+    config or the model's weights, since later tests would then run on what that test left behind."""
+    config = adapter.config.model_dump() if adapter is not None else None
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()} if model is not None else None
+    yield
+    if adapter is not None:
+        changed = {k: v for k, v in adapter.config.model_dump().items() if config.get(k) != v}
+        assert not changed, f"a test changed {what}'s config (later tests share it): {changed}"
+    if model is not None:
+        now = model.state_dict()
+        changed = sorted(k for k in set(weights) | set(now)
+                         if k not in weights or k not in now or not weights[k].equal(now[k]))
+        assert not changed, f"a test changed {what}'s weights (later tests share them): {changed[:5]}"
+
+
 def namespace(**kwargs):
     return types.SimpleNamespace(**kwargs)
 

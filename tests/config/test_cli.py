@@ -1,4 +1,5 @@
-"""``simpletuner validate`` and ``simpletuner configure`` in real subprocesses."""
+"""``simpletuner validate`` and ``simpletuner configure``: in real subprocesses (marked e2e), and in-process through
+the same entry point (what mutation testing can see: scripts/mutation.sh leaves e2e tests out)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def project(tmp_path, make_config, make_backends):
     return tmp_path
 
 
+@pytest.mark.e2e
 def test_validate_ok(project):
     result = simpletuner("validate", cwd=project)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -44,6 +46,7 @@ def test_validate_ok(project):
     ]
 
 
+@pytest.mark.e2e
 def test_validate_reports_every_error_with_its_path(project, make_config, make_backends):
     config = make_config(**{"--lr_scheduler": "cosin", "--lora_rank": "0"})
     (project / "config" / "config.json").write_text(json.dumps(config))
@@ -60,6 +63,7 @@ def test_validate_reports_every_error_with_its_path(project, make_config, make_b
     assert "3 errors" in result.stderr
 
 
+@pytest.mark.e2e
 def test_validate_missing_dataset_folder_is_a_warning(project, make_backends):
     (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends("datasets/nowhere")))
     result = simpletuner("validate", cwd=project)
@@ -69,6 +73,7 @@ def test_validate_missing_dataset_folder_is_a_warning(project, make_backends):
     assert result.stdout.splitlines()[-1] == "OK"
 
 
+@pytest.mark.e2e
 def test_validate_data_backend_from_the_command_line(project, make_config, make_backends):
     config = make_config()
     del config["--data_backend_config"]
@@ -91,6 +96,7 @@ def test_validate_data_backend_from_the_command_line(project, make_config, make_
     assert report["config"]["model_family"] == "flux"
 
 
+@pytest.mark.e2e
 def test_validate_json_errors_and_bad_json(project):
     (project / "config" / "config.json").write_text('{"model_family": "flux",,}')
     result = simpletuner("validate", "--json", cwd=project)
@@ -101,6 +107,7 @@ def test_validate_json_errors_and_bad_json(project):
     assert error["source"] == "config/config.json" and "line 1, column 25" in error["message"]
 
 
+@pytest.mark.e2e
 def test_validate_does_not_import_torch(project):
     code = textwrap.dedent(
         """
@@ -140,6 +147,7 @@ ANSWERS = [
 ]
 
 
+@pytest.mark.e2e
 def test_configure_with_piped_answers(tmp_path):
     result = simpletuner("configure", cwd=tmp_path, stdin="\n".join(ANSWERS) + "\n")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -169,6 +177,7 @@ def test_configure_with_piped_answers(tmp_path):
     assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "krea"
 
 
+@pytest.mark.e2e
 def test_configure_custom_paths_and_early_eof(tmp_path):
     result = simpletuner("configure", "--config_dir", "cfg", cwd=tmp_path, stdin="flux\n")
     assert result.returncode == 1 and "nothing written" in result.stderr
@@ -179,6 +188,7 @@ def test_configure_custom_paths_and_early_eof(tmp_path):
     assert config["data_backend_config"] == "cfg/multidatabackend.json"
 
 
+@pytest.mark.e2e
 def test_config_keys_as_simpletuner_flags_override_the_file(project):
     """`--key=value`, `--key value` and a bare `--flag` work as on SimpleTuner's command line (validate and train
     parse them the same way), winning over the file; a flag that is no config key is reported, not swallowed."""
@@ -206,6 +216,7 @@ def test_train_overrides_from_flags_and_set():
     assert launch_command(args)[-len(flags):] == flags
 
 
+@pytest.mark.e2e
 def test_validate_names_the_extra_a_missing_package_comes_with(project, make_config):
     from simpletuner.config.requirements import missing_packages
 
@@ -224,3 +235,126 @@ def test_validate_names_the_extra_a_missing_package_comes_with(project, make_con
     result = simpletuner("validate", cwd=project)
     if bnb:  # refused before training starts, with the extra that installs it
         assert result.returncode == 1 and "simpletuner[bnb]" in result.stdout
+
+
+# --- the same command in-process (what the subprocess tests above cannot show mutation testing) ---------------
+
+
+def validate_in_process(*argv: str, cwd: Path, capsys, monkeypatch) -> tuple[int, str, str]:
+    """``simpletuner validate ARGV`` through the real entry point, in this process: (exit status, stdout, stderr)."""
+    from simpletuner.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main(["validate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_validate_in_process_reports_and_counts(project, make_config, capsys, monkeypatch):
+    code, out, err = validate_in_process(cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0 and out.splitlines()[-1] == "OK" and err == ""
+    assert "warning: config/config.json: flux_schedule_shift: renamed to flow_schedule_shift" in out.splitlines()
+    (project / "config" / "config.json").write_text(json.dumps(make_config(**{"--lora_rank": "0"})))
+    code, out, err = validate_in_process(cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 1 and "OK" not in out.splitlines()
+    assert "config/config.json: lora_rank: must be >= 1, got 0" in out.splitlines()
+    assert err.strip() == "1 error"  # singular
+    (project / "config" / "config.json").write_text(
+        json.dumps(make_config(**{"--lora_rank": "0", "--lr_scheduler": "cosin"})))
+    code, out, err = validate_in_process(cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 1 and err.strip() == "2 errors"
+
+
+def test_validate_in_process_set_and_flags(project, capsys, monkeypatch):
+    code, out, _ = validate_in_process("--json", "--set", "lora_rank=8", "--set", " seed =7", "--lora_alpha=2",
+                                       cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 0 and report["ok"] is True
+    assert (report["config"]["lora_rank"], report["config"]["seed"], report["config"]["lora_alpha"]) == (8, 7, 2.0)
+    assert report["datasets"] == ["pics"] and report["notes"] == [] and report["errors"] == []
+    assert "config/config.json: flux_schedule_shift: renamed to flow_schedule_shift" in report["warnings"]
+    for bad in ("lora_rank", "=8"):
+        code, out, err = validate_in_process("--set", bad, cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+        assert code == 2 and out == "" and f"--set {bad!r}: expected KEY=VALUE" in err
+
+
+def test_validate_in_process_json_errors(project, make_config, make_backends, capsys, monkeypatch):
+    (project / "config" / "config.json").write_text(json.dumps(make_config(**{"--lora_rank": "0"})))
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    code, out, err = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False and err == "" and report["config"] is None
+    assert {(e["source"], e["path"]) for e in report["errors"]} == {
+        ("config/config.json", "lora_rank"), ("config/multidatabackend.json", "datasets[pics].crop_style")}
+
+
+def test_validate_in_process_finds_the_backends_beside_the_config(project, make_config, make_backends, capsys,
+                                                                  monkeypatch):
+    config = make_config()
+    del config["--data_backend_config"]
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 0 and report["datasets"] == ["pics"]
+    assert report["notes"] == ["data_backend_config: not set; using config/multidatabackend.json, found beside "
+                               "config/config.json"]
+    code, out, _ = validate_in_process(cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert out.splitlines()[0] == report["notes"][0] and out.splitlines()[-1] == "OK"
+    # a config that does not load still gets its backends checked, from its own setting or beside it
+    (project / "config" / "config.json").write_text(json.dumps({**config, "--lora_rank": "0"}))
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1 and {e["path"] for e in report["errors"]} == {"lora_rank", "datasets[pics].crop_style"}
+    (project / "config" / "multidatabackend.json").unlink()
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert [(e["source"], e["path"]) for e in report["errors"]] == [
+        ("config/config.json", "lora_rank"), ("config/config.json", "data_backend_config")]
+    # an unreadable config file: its own error, plus the backends named on the command line; none beside it
+    (project / "config" / "config.json").write_text("{not json")
+    code, out, _ = validate_in_process("--json", "--data-backend-config", "nowhere.json", cwd=project,
+                                       capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1 and [(e["source"], e["message"].split(":")[0]) for e in report["errors"]] == [
+        ("config/config.json", "not valid JSON"), ("nowhere.json", "file not found")]
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert [e["source"] for e in report["errors"]] == ["config/config.json"] and report["notes"] == []
+
+
+def test_validate_in_process_tiny_flavour_with_other_weights(project, make_config, capsys, monkeypatch):
+    config = make_config(**{"--model_flavour": "tiny", "--base_model_precision": "no_change"})
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1
+    (error,) = report["errors"]
+    assert error["path"] == "pretrained_model_name_or_path" and "the Hub model" in error["message"]
+
+
+def test_validate_in_process_a_broken_config_still_names_its_backends(project, make_config, make_backends, capsys,
+                                                                       monkeypatch):
+    """A config that does not load still has its data_backend_config read (from the file or from --set), so the
+    backends' errors are reported in the same run."""
+    (project / "other.json").write_text(json.dumps(make_backends(crop_style="middle")))
+    config = make_config(**{"--lora_rank": "0", "--data_backend_config": "other.json"})
+    (project / "config" / "config.json").write_text(json.dumps(config))
+    (project / "config" / "multidatabackend.json").unlink()
+    code, out, _ = validate_in_process("--json", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    report = json.loads(out)
+    assert code == 1 and [(e["source"], e["path"]) for e in report["errors"]] == [
+        ("config/config.json", "lora_rank"), ("other.json", "datasets[pics].crop_style")]
+    (project / "third.json").write_text(json.dumps(make_backends(crop_style="sideways")))
+    code, out, _ = validate_in_process("--json", "--set", "data_backend_config=third.json", cwd=project,
+                                       capsys=capsys, monkeypatch=monkeypatch)
+    assert [e["source"] for e in json.loads(out)["errors"]] == ["config/config.json", "third.json"]
+
+
+def test_validate_in_process_set_value_may_hold_an_equals_sign(project, capsys, monkeypatch):
+    code, out, _ = validate_in_process("--json", "--set", "validation_prompt=a=b", cwd=project, capsys=capsys,
+                                       monkeypatch=monkeypatch)
+    assert code == 0 and json.loads(out)["config"]["validation_prompt"] == "a=b"
+    assert out.startswith('{\n  "ok": true,\n  "errors": []')  # indented for people, one key a line

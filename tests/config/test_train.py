@@ -385,3 +385,14 @@ def test_check_train_paths(tmp_path):
     (tmp_path / "prompts.json").write_text("{}")
     assert not any(w.startswith("user_prompt_library") for w in check_train_paths(config, cwd=tmp_path))
     assert check_train_paths(load(), cwd=tmp_path) == []  # a Hub id is not a local path
+
+
+def test_tiny_flavours_are_the_locally_written_ones():
+    from simpletuner.config.families import tiny_flavours
+
+    assert tiny_flavours(get_family("flux")) == ["tiny"]
+    assert tiny_flavours(get_family("wan")) == ["tiny", "tiny-i2v", "tiny-2.2-high", "tiny-2.2-low"]
+    for name in family_names():  # every family has one, and each has no hub weights
+        family = get_family(name)
+        assert "tiny" in tiny_flavours(family)
+        assert all(family.flavours[f] is None for f in tiny_flavours(family))

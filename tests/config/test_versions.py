@@ -128,3 +128,31 @@ def test_bad_version_values():
         migrate({"config_version": "one"})
     with pytest.raises(ConfigError, match="config_version: must be >= 0"):
         migrate({"config_version": -1})
+
+
+@pytest.mark.parametrize("value, version", [(None, 0), ("", 0), (" None ", 0), ("null", 0), ("NULL", 0), ("0", 0),
+                                            (0, 0), (" 2 ", 2), (3, 3)])
+def test_config_version_spellings(value, version):
+    from simpletuner.config.versions import config_version_of
+
+    assert config_version_of({"config_version": value}) == version
+    assert config_version_of({}) == 0
+
+
+def test_negative_version_is_refused_by_name():
+    from simpletuner.config.versions import config_version_of
+
+    with pytest.raises(ConfigError) as info:
+        config_version_of({"config_version": "-1"})
+    assert [(e.path, e.message) for e in info.value.errors] == [("config_version", "must be >= 0, got -1")]
+
+
+def test_v2_to_v3_keeps_the_new_name_when_both_are_set():
+    from simpletuner.config.versions import migrate
+
+    warnings: list[str] = []
+    out = migrate({"config_version": 2, "model_family": "flux", "flux_fast_schedule": True,
+                   "flow_fast_schedule": False}, warnings)
+    assert out["flow_fast_schedule"] is False and "flux_fast_schedule" not in out
+    assert warnings == ["flux_fast_schedule: renamed to flow_fast_schedule, which is also set; using "
+                        "flow_fast_schedule=False"]

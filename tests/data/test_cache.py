@@ -102,3 +102,170 @@ def test_an_entry_damaged_mid_run_is_a_clear_error_naming_it(tmp_path):
         assert isinstance(exc, DatasetError)  # the CLI prints it as one line, no traceback
     else:
         raise AssertionError("a damaged entry loaded")
+
+
+# ---- what mutation testing found unguarded (docs/testing.md) ---------------------------------------------------
+def test_a_clips_frames_are_part_of_its_key(tmp_path):
+    s = make_sample(tmp_path / "a.png")
+    clip = Sample(**{**s.__dict__, "frame_indices": (0, 1, 2)})
+    other = Sample(**{**s.__dict__, "frame_indices": (0, 2, 4)})
+    assert len({latent_key(s, "v"), latent_key(clip, "v"), latent_key(other, "v")}) == 3
+    assert latent_key(clip, "v") == latent_key(Sample(**{**clip.__dict__}), "v")
+
+
+def test_entries_are_sharded_by_the_keys_first_two_characters(tmp_path):
+    cache = TensorCache(tmp_path)
+    key = text_key("a", "te")
+    assert cache.path(key) == tmp_path / key[:2] / f"{key}.safetensors"
+
+
+def test_a_save_writes_a_temp_file_beside_the_entry_and_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
+    import simpletuner.data.cache as cache_module
+
+    cache = TensorCache(tmp_path)
+    key = text_key("a", "te")
+    seen = []
+    real = cache_module.save_file
+
+    def recording(tensors, filename):
+        seen.append(filename)
+        return real(tensors, filename)
+
+    monkeypatch.setattr(cache_module, "save_file", recording)
+    cache.save(key, {"x": torch.ones(2)})
+    (tmp,) = seen
+    assert os.path.dirname(tmp) == str(cache.path(key).parent)  # same folder: the rename is atomic
+    assert not os.path.exists(tmp) and cache.has(key)
+
+    def failing(tensors, filename):
+        open(filename, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache_module, "save_file", failing)
+    other = text_key("b", "te")
+    try:
+        cache.save(other, {"x": torch.ones(2)})
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the failing save did not raise")
+    assert not [p for p in tmp_path.rglob(".tmp-*")] and not cache.path(other).exists()
+
+
+def test_a_server_job_never_writes_a_cache_outside_its_roots(tmp_path, monkeypatch):
+    from simpletuner.config import paths
+
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir()
+    monkeypatch.setenv(paths.ROOTS_ENV, paths.roots_env_value([inside]))
+    TensorCache(inside).save(text_key("a", "te"), {"x": torch.ones(1)})
+    try:
+        TensorCache(outside).save(text_key("a", "te"), {"x": torch.ones(1)})
+    except paths.PathOutsideRoots as exc:
+        assert exc.field == "cache" and str(outside) in exc.message
+    else:
+        raise AssertionError("wrote outside the roots")
+    assert not list(outside.rglob("*.safetensors"))
+
+
+def test_damaged_entries_are_removed_with_a_warning_and_named_on_load(tmp_path, caplog):
+    from simpletuner.data.cache import CacheEntryDamaged
+
+    cache = TensorCache(tmp_path)
+    key = text_key("a", "te")
+    cache.save(key, {"x": torch.ones(2)})
+    cache.path(key).write_bytes(b"\x00" * 10)
+    with caplog.at_level("WARNING", logger="simpletuner.cache"):
+        assert cache.has(key) is False
+    assert f"{cache.path(key)}: damaged cache entry; encoding it again" in caplog.text
+    assert not cache.path(key).exists() and cache.has(key) is False
+    cache.path(key).write_bytes(b"\x00" * 10)
+    try:
+        cache.load(key)
+    except CacheEntryDamaged as exc:
+        assert str(exc).startswith(f"{cache.path(key)}: cache entry cannot be read (")
+        assert str(exc).endswith("it is encoded again when the run is started again (Retry)")
+    else:
+        raise AssertionError("a damaged entry loaded")
+
+
+class BatchRecordingAdapter(CountingAdapter):
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def latent_cache_entries(self, pixels):
+        self.batches.append(tuple(pixels.shape))
+        return super().latent_cache_entries(pixels)
+
+
+def test_batches_hold_one_bucket_and_at_most_batch_size(tmp_path):
+    adapter = BatchRecordingAdapter()
+    square = [make_sample(tmp_path / f"s{i}.png", (64, 64)) for i in range(5)]
+    wide = [make_sample(tmp_path / f"w{i}.png", (96, 64)) for i in range(2)]
+    assert fill_latent_cache({str(tmp_path / "c"): square + wide + square[:2]}, adapter, 2,
+                             show_progress=False) == 7  # the repeated samples are encoded once
+    assert sorted(adapter.batches) == sorted([(2, 3, 64, 64), (2, 3, 64, 64), (1, 3, 64, 64), (2, 3, 64, 96)])
+
+
+def test_an_unreadable_image_is_named_or_collected(tmp_path):
+    import pytest
+
+    good = make_sample(tmp_path / "good.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    bad = Sample(**{**good.__dict__, "path": str(tmp_path / "bad.png")})
+    with pytest.raises(ValueError, match=f"{tmp_path / 'bad.png'}: cannot be decoded"):
+        fill_latent_cache({str(tmp_path / "c1"): [bad, good]}, CountingAdapter(), 4, show_progress=False)
+    unreadable = []
+    assert fill_latent_cache({str(tmp_path / "c2"): [bad, good]}, CountingAdapter(), 4, show_progress=False,
+                             unreadable=unreadable) == 1
+    assert [(s.path, why.split(":")[0]) for s, why in unreadable] == [(str(tmp_path / "bad.png"), "cannot be decoded")]
+
+
+def test_masks_are_cached_at_latent_resolution_once(tmp_path):
+    from PIL import Image
+
+    from simpletuner.data.cache import fill_mask_cache, mask_key
+
+    Image.new("L", (64, 32), 0).save(tmp_path / "m.png")
+    img = Image.open(tmp_path / "m.png")
+    img.paste(255, (0, 0, 32, 32))
+    img.save(tmp_path / "m.png")
+    st = os.stat(tmp_path / "m.png")
+    mask = Sample("ds", str(tmp_path / "m.png"), "", (64, 32), (64, 32), (0, 0, 64, 32), file_size=st.st_size,
+                  mtime_ns=st.st_mtime_ns)
+    assert mask_key(mask, 8) != mask_key(mask, 16) and mask_key(mask, 8) != latent_key(mask, "mask/16")
+    assert mask_key(mask, 8) == latent_key(mask, "mask/8")
+    folder = tmp_path / "masks"
+    assert fill_mask_cache({str(folder): [mask, mask]}, 8, show_progress=False) == 1
+    assert fill_mask_cache({str(folder): [mask]}, 8, show_progress=False) == 0
+    stored = TensorCache(folder).load(mask_key(mask, 8))["mask"]
+    assert stored.shape == (1, 4, 8)  # (1, h / 8, w / 8)
+    assert torch.allclose(stored[0, :, :4], torch.ones(4, 4)) and torch.allclose(stored[0, :, 4:], torch.zeros(4, 4))
+    assert fill_mask_cache({str(folder): [mask]}, 16, show_progress=False) == 1  # another VAE scale: another entry
+
+
+def test_negative_prompts_have_their_own_identity(tmp_path):
+    from simpletuner.data.cache import negative_identity
+
+    class NegativeAdapter(CountingAdapter):
+        def encode_negative_prompts(self, prompts):
+            return [TextEmbedding({"prompt_embeds": torch.full((2, 3), -1.0)}) for _ in prompts]
+
+    adapter, cache = NegativeAdapter(), TensorCache(tmp_path)
+    assert negative_identity("te-v1") == "te-v1|negative"
+    assert fill_text_cache(["blurry"], adapter, cache, 4, show_progress=False, negative=True) == 1
+    assert fill_text_cache(["blurry"], adapter, cache, 4, show_progress=False) == 1  # the positive one is apart
+    assert cache.load(text_key("blurry", "te-v1|negative"))["prompt_embeds"][0, 0] == -1.0
+    assert cache.load(text_key("blurry", "te-v1"))["prompt_embeds"][0, 0] == 6.0
+
+
+def test_a_bucket_of_only_unreadable_images_does_not_stop_the_next_bucket(tmp_path):
+    good = make_sample(tmp_path / "good.png", (96, 64))
+    bad_file = make_sample(tmp_path / "bad.png", (64, 64))
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    unreadable = []
+    adapter = BatchRecordingAdapter()
+    assert fill_latent_cache({str(tmp_path / "c"): [good, bad_file]}, adapter, 4, show_progress=False,
+                             unreadable=unreadable) == 1
+    assert adapter.batches == [(1, 3, 64, 96)] and [s.path for s, _ in unreadable] == [bad_file.path]

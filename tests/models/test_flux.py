@@ -9,20 +9,24 @@ import torch
 
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.flux import FluxAdapter
-from tests.helpers import flux_config
+from tests.helpers import flux_config, left_unchanged
 
 
 @pytest.fixture(scope="module")
 def adapter(tiny_flux_path):
+    """Shared by this module's tests: a test that needs other settings builds its own adapter."""
     a = FluxAdapter(flux_config())
     a.load_text_encoders()
     a.load_vae()
-    return a
+    with left_unchanged(adapter=a, what="test_flux's adapter"):
+        yield a
 
 
 @pytest.fixture(scope="module")
 def transformer(adapter):
-    return adapter.load_transformer().eval()
+    t = adapter.load_transformer().eval()
+    with left_unchanged(model=t, what="test_flux's transformer"):
+        yield t
 
 
 def test_prediction_matches_what_fluxpipeline_feeds_its_transformer(adapter, transformer):

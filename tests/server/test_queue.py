@@ -192,3 +192,371 @@ def test_strict_priority_waits_for_devices(tmp_path, workdir, monkeypatch):
     while mgr._start_next():
         pass
     assert started[2] == (small, ["0"])
+
+
+# --- the launch plan, exit codes, log tails, cancel escalation, how a finished job is judged -------------------
+# (in-process and fast: the job manager without its scheduler thread, real SQLite, real child processes)
+
+
+def _claim(mgr: JobManager, job_id: int, attempt: int = 1) -> JobRow:
+    with mgr.db.session(write=True) as s:
+        job = s.get(JobRow, job_id)
+        job.status, job.attempt, job.webhook_secret = "running", attempt, "sekrit"
+        job.owner, job.owner_host, job.owner_pid = mgr.server_id, mgr.host, mgr.pid
+        job.run_dir = str(mgr.run_dir_for(job_id))
+    with mgr.db.session() as s:
+        return s.get(JobRow, job_id)
+
+
+def _row(mgr: JobManager, job_id: int) -> JobRow:
+    with mgr.db.session() as s:
+        return s.get(JobRow, job_id)
+
+
+def test_plan_writes_the_run_dir_and_the_accelerate_command(tmp_path, workdir, monkeypatch):
+    import json
+
+    from simpletuner.config import paths
+
+    monkeypatch.setenv("SIMPLETUNER_API_TOKEN", "never-passed-on")
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", job_command=None, port=8123)
+    (job_id,) = _queue(mgr, 1, prompt_library={"cat": "a cat"})
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, job_id).train_config = {**train_config(), "--output_dir": "/elsewhere",
+                                              "data_backend_config": "/x.json", "user_prompt_library": "/p.json"}
+    plan = mgr.plan(_claim(mgr, job_id), [])
+    run_dir = mgr.run_dir_for(job_id)
+    assert plan.run_dir == run_dir and plan.cwd == workdir and plan.devices == [] and plan.resume_step is None
+    assert plan.cmd == [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                        "--num_machines", "1", "--dynamo_backend", "no", "--cpu",
+                        "-m", "simpletuner.train", "--config", str(run_dir / "config.json")]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert "--output_dir" not in config and config["output_dir"] == str(run_dir / "output")
+    assert config["data_backend_config"] == str(run_dir / "multidatabackend.json")
+    assert config["user_prompt_library"] == str(run_dir / "user_prompt_library.json")
+    assert "resume_from_checkpoint" not in config and (run_dir / "output").is_dir()
+    assert json.loads((run_dir / "user_prompt_library.json").read_text()) == {"cat": "a cat"}
+    backends = json.loads((run_dir / "multidatabackend.json").read_text())
+    assert backends[0]["instance_data_dir"] == str(workdir / "imgs")  # absolute: the trainer runs elsewhere
+    env = plan.env
+    assert "SIMPLETUNER_API_TOKEN" not in env
+    assert env["SIMPLETUNER_WEBHOOK_URL"] == f"http://127.0.0.1:8123/api/jobs/{job_id}/events"
+    assert env["SIMPLETUNER_WEBHOOK_SECRET"] == "sekrit" and env["SIMPLETUNER_JOB_ID"] == str(job_id)
+    assert env["SIMPLETUNER_RUN_DIR"] == str(run_dir) and env["PYTHONUNBUFFERED"] == "1"
+    assert json.loads(env[paths.ROOTS_ENV]) == [str(p) for p in mgr.settings.resolved_allowed_roots()]
+    assert env["ACCELERATE_USE_CPU"] == "1" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_plan_on_gpus_and_with_the_python_launcher(tmp_path, workdir):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    gpus = _manager(tmp_path, workdir, url, job_command=None, accelerators=["0", "1", "2"])
+    one, two = _queue(gpus, 1, num_processes=1)[0], _queue(gpus, 1, num_processes=2)[0]
+    plan = gpus.plan(_claim(gpus, one), ["2"])
+    assert "--cpu" not in plan.cmd and "--multi_gpu" not in plan.cmd
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "2" and "ACCELERATE_USE_CPU" not in plan.env
+    plan = gpus.plan(_claim(gpus, two), ["0", "1"])
+    assert plan.cmd[plan.cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in plan.cmd
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    python = _manager(tmp_path, workdir, url, job_command=None, launcher="python")
+    (three,) = _queue(python, 1)
+    plan = python.plan(_claim(python, three), [])
+    assert plan.cmd == [sys.executable, "-m", "simpletuner.train", "--config",
+                        str(python.run_dir_for(three) / "config.json")]
+    # a job command template gets every placeholder
+    custom = _manager(tmp_path, workdir, url,
+                      job_command=["{python}", "x", "{config}", "{run_dir}", "{num_processes}", "{job_id}"])
+    (four,) = _queue(custom, 1, num_processes=3)
+    run_dir = custom.run_dir_for(four)
+    assert custom.plan(_claim(custom, four), []).cmd == [sys.executable, "x", str(run_dir / "config.json"),
+                                                         str(run_dir), "3", str(four)]
+
+
+def test_a_retry_plan_resumes_from_the_newest_checkpoint(tmp_path, workdir):
+    import json
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", job_command=None)
+    (job_id,) = _queue(mgr, 1)
+    mgr.plan(_claim(mgr, job_id, attempt=1), [])
+    output = mgr.run_dir_for(job_id) / "output"
+    for step in (2, 10):
+        (output / f"checkpoint-{step}").mkdir(parents=True)
+        (output / f"checkpoint-{step}" / "training_state.json").write_text(json.dumps({"global_step": step}))
+    plan = mgr.plan(_claim(mgr, job_id, attempt=2), [])
+    assert plan.resume_step == 10 and plan.archived is None
+    config = json.loads((plan.run_dir / "config.json").read_text())
+    assert config["resume_from_checkpoint"] == "latest"
+
+
+def test_exit_codes_and_log_tails(tmp_path):
+    from simpletuner.server.queue import _exit_code, read_log_tail
+
+    assert _exit_code(0) == 0 and _exit_code(3) == 3
+    assert _exit_code(-9) == 137 and _exit_code(-15) == 143  # killed by signal N: 128 + N
+    log = tmp_path / "train.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert read_log_tail(log, lines=3) == "line 97\nline 98\nline 99"
+    assert read_log_tail(log) == "\n".join(f"line {i}" for i in range(40, 100))  # 60 lines by default
+    assert read_log_tail(log, lines=100, max_bytes=16) == "line 98\nline 99"  # only the end is read
+    assert read_log_tail(log, lines=2, max_bytes=len(log.read_bytes())).startswith("line 98")
+    assert read_log_tail(tmp_path / "missing.log") == "" and read_log_tail(None) == ""
+    log.write_bytes(b"ok \xff\xfe\n")
+    assert read_log_tail(log) == "ok \ufffd\ufffd"
+
+
+def test_pid_and_group_checks(tmp_path):
+    from simpletuner.server.queue import pid_alive
+
+    assert pid_alive(os.getpid()) and not pid_alive(_dead_pid())
+    assert not pid_alive(None) and not pid_alive(0) and not pid_alive(-1)
+    assert not group_alive(None) and not group_alive(0) and not group_alive(-5)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        assert group_alive(proc.pid)
+        proc.kill()
+        deadline = time.time() + 10  # a zombie (killed, not reaped yet) counts as gone
+        while group_alive(proc.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(proc.pid) and proc.returncode is None  # still unreaped: a zombie
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not group_alive(proc.pid)
+
+
+def test_cancel_escalates_from_sigterm_to_sigkill_after_the_grace(tmp_path, workdir):
+    from simpletuner.server.queue import Running
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", cancel_grace=0.3)
+    (job_id,) = _queue(mgr, 1)
+    _claim(mgr, job_id)
+    # a trainer that ignores SIGTERM (it says so once the handler is in place)
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        mgr.procs[job_id] = Running(job_id, proc.pid, proc.pid, [], 1, proc=proc)
+        mgr._handle_cancels()  # nothing asked yet
+        assert mgr.procs[job_id].term_sent_at is None
+        mgr.cancel(job_id)
+        assert _row(mgr, job_id).cancel_requested is True and _row(mgr, job_id).status == "running"
+        mgr._handle_cancels()
+        run = mgr.procs[job_id]
+        assert run.term_sent_at is not None and not run.killed
+        mgr._handle_cancels()  # within the grace: no SIGKILL yet
+        assert not run.killed and proc.poll() is None
+        time.sleep(0.4)
+        mgr._handle_cancels()
+        assert run.killed
+        assert proc.wait(10) == -9
+        mgr._reap()
+        job = _row(mgr, job_id)
+        assert job.status == "cancelled" and job.reason == "cancelled by user" and job.exit_code == 137
+        assert job_id not in mgr.procs
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("script, killed, status, reason, code", [
+    ("raise SystemExit(0)", False, "succeeded", None, 0),
+    ("raise SystemExit(3)", False, "failed", "trainer exited with code 3", 3),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", True, "failed", "killed (exit code 137)", 137),
+])
+def test_how_a_finished_trainer_is_judged(tmp_path, workdir, script, killed, status, reason, code):
+    from simpletuner.server.queue import Running
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    _claim(mgr, job_id)
+    run_dir = mgr.run_dir_for(job_id)
+    (run_dir / "output").mkdir(parents=True)
+    (run_dir / "train.log").write_text("starting\nboom\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    proc.wait()
+    mgr.procs[job_id] = Running(job_id, proc.pid, proc.pid, [], 1, proc=proc, killed=killed)
+    mgr._reap()
+    job = _row(mgr, job_id)
+    assert (job.status, job.reason, job.exit_code) == (status, reason, code)
+    assert job.finished_at is not None and job.webhook_secret is None and job_id not in mgr.procs
+    assert job.log_tail == ("starting\nboom" if status == "failed" else None)
+    assert job.results["output_dir"] == str(run_dir / "output")
+
+
+def test_results_name_the_final_lora_and_the_newest_checkpoint(tmp_path, workdir):
+    import json
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    job = _claim(mgr, job_id)
+    output = mgr.run_dir_for(job_id) / "output"
+    assert mgr._collect_results(job) == {"output_dir": str(output)}
+    for step in (5, 20):
+        (output / f"checkpoint-{step}").mkdir(parents=True)
+        (output / f"checkpoint-{step}" / "training_state.json").write_text("{}")
+        (output / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    results = mgr._collect_results(job)
+    # only checkpoints hold a LoRA so far: one of them is named
+    assert results["lora_path"] in {str(output / f"checkpoint-{n}" / "pytorch_lora_weights.safetensors")
+                                    for n in (5, 20)}
+    assert results["last_checkpoint"] == str(output / "checkpoint-20") and results["last_checkpoint_step"] == 20
+    (output / "models").mkdir()
+    (output / "models" / "adapter_model.safetensors").write_bytes(b"x")
+    (output / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    assert mgr._collect_results(job)["lora_path"] == str(output / "pytorch_lora_weights.safetensors")
+    (output / "run_summary.json").write_text(json.dumps({"lora_path": "/from/summary", "steps": 3}))
+    results = mgr._collect_results(job)
+    assert results["lora_path"] == "/from/summary" and results["steps"] == 3
+    (output / "run_summary.json").write_text("[1, 2]")  # not an object: ignored
+    assert mgr._collect_results(job)["lora_path"] == str(output / "pytorch_lora_weights.safetensors")
+    (output / "run_summary.json").write_text("{cut")
+    assert mgr._collect_results(job)["lora_path"] == str(output / "pytorch_lora_weights.safetensors")
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, job_id).run_dir = None
+    assert mgr._collect_results(_row(mgr, job_id)) == {}
+
+
+def test_a_job_that_needs_more_accelerators_than_the_server_has_fails_at_once(tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", accelerators=["0", "1"])
+    assert mgr.capacity_problem(3) == "needs 3 accelerators; this server has 2"
+    assert mgr.capacity_problem(2) is None and mgr.cost(2) == 2
+    cpu = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db2.sqlite'}")
+    assert cpu.capacity_problem(8) is None and cpu.cost(8) == 1  # the CPU: one slot whatever it asks
+    launched = []
+    monkeypatch.setattr(mgr, "_launch", lambda job_id, devices: launched.append(job_id))
+    big, small = _queue(mgr, 1, num_processes=3)[0], _queue(mgr, 1, num_processes=1)[0]
+    assert mgr._start_next() is True
+    job = _row(mgr, big)
+    assert job.status == "failed" and job.reason == "needs 3 accelerators; this server has 2"
+    assert job.finished_at is not None and launched == []
+    assert _row(mgr, small).status == "queued"  # only that job fails
+    from simpletuner.server.db import JobEventRow
+
+    with mgr.db.session() as s:
+        events = [e.data["status"] for e in s.query(JobEventRow).filter_by(job_id=big).order_by(JobEventRow.id)]
+    assert events == ["queued", "failed"]
+    assert mgr._start_next() is True and launched == [small]
+    assert mgr._start_next() is False
+    assert mgr.summary() == {"server_id": mgr.server_id, "max_concurrent": 2, "accelerators": ["0", "1"],
+                             "running_here": []}
+
+
+def _finish_as(mgr: JobManager, job_id: int, status: str = "failed") -> None:
+    """A job that ran and ended: every per-attempt field set, as a real run leaves them."""
+    with mgr.db.session(write=True) as s:
+        job = s.get(JobRow, job_id)
+        job.status, job.attempt, job.retries, job.max_retries = status, 1, 2, 3
+        job.finished_at, job.started_at, job.exit_code, job.cancel_requested = time.time(), time.time() - 5, 3, True
+        job.pid, job.pgid, job.webhook_secret = 111, 111, "old-secret"
+        job.owner, job.owner_host, job.owner_pid = "someone:1:x", "somehost", 1
+        job.run_dir = str(mgr.run_dir_for(job_id))
+
+
+@pytest.mark.parametrize("checkpoint, start_over, reason, resumes", [
+    (None, False, "retry requested: no checkpoint yet, starts from step 0", None),
+    (7, False, "retry requested: resumes from step 7", 7),
+    (7, True, "retry requested: starts over from step 0", None),
+])
+def test_retry_requeues_one_finished_job_with_a_clean_attempt(tmp_path, workdir, checkpoint, start_over, reason,
+                                                              resumes):
+    from simpletuner.server.db import JobEventRow
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    job_id, other = _queue(mgr, 2)
+    _finish_as(mgr, job_id)
+    _finish_as(mgr, other)
+    if checkpoint is not None:
+        folder = mgr.run_dir_for(job_id) / "output" / f"checkpoint-{checkpoint}"
+        folder.mkdir(parents=True)
+        (folder / "training_state.json").write_text("{}")
+    returned = mgr.retry(job_id, start_over=start_over)
+    assert returned.id == job_id and returned.status == "queued"
+    job = _row(mgr, job_id)
+    assert (job.status, job.reason, bool(job.start_over), job.retries) == ("queued", reason, start_over, 0)
+    for name in ("finished_at", "exit_code", "pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
+                 "webhook_secret"):
+        assert getattr(job, name) is None, name
+    assert job.cancel_requested is False and job.max_retries == 3 and job.attempt == 1
+    assert _row(mgr, other).status == "failed"  # only the job asked for
+    with mgr.db.session() as s:
+        event = s.query(JobEventRow).filter_by(job_id=job_id).order_by(JobEventRow.id.desc()).first()
+    assert event.data["status"] == "queued" and event.data["start_over"] is start_over
+    assert event.data["resumes_from_step"] == resumes
+
+
+def test_retry_refuses_an_unfinished_job_and_ignores_an_unknown_one(tmp_path, workdir):
+    from simpletuner.server.queue import RetryConflict
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    with pytest.raises(RetryConflict, match=f"job {job_id} is queued; only a finished job can be retried"):
+        mgr.retry(job_id)
+    assert mgr.retry(job_id + 100) is None
+    with mgr.db.session(write=True) as s:  # a finished job without a run dir (it never started)
+        s.get(JobRow, job_id).status = "cancelled"
+    assert mgr.retry(job_id).reason == "retry requested: no checkpoint yet, starts from step 0"
+
+
+def test_a_crashed_trainer_is_requeued_while_retries_last(tmp_path, workdir):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    job_id, capped, cancelled = _queue(mgr, 1, max_retries=2)[0], _queue(mgr, 1)[0], _queue(mgr, 1, max_retries=2)[0]
+    for jid in (job_id, capped, cancelled):
+        _claim(mgr, jid)
+    (mgr.run_dir_for(job_id)).mkdir(parents=True, exist_ok=True)
+    (mgr.run_dir_for(job_id) / "train.log").write_text("oops\n")
+    assert mgr._retry_after_crash(job_id, "trainer exited with code 1", 1, {"k": 1}) is True
+    job = _row(mgr, job_id)
+    assert (job.status, job.retries, job.exit_code, job.results, job.log_tail) == ("queued", 1, 1, {"k": 1}, "oops")
+    assert job.reason == ("trainer exited with code 1; automatic retry 1 of 2, starts from step 0 (no checkpoint "
+                          "yet)")
+    assert all(getattr(job, n) is None for n in ("pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
+                                                  "webhook_secret"))
+    _claim(mgr, job_id)
+    folder = mgr.run_dir_for(job_id) / "output" / "checkpoint-4"
+    folder.mkdir(parents=True)
+    (folder / "training_state.json").write_text("{}")
+    assert mgr._retry_after_crash(job_id, "lost", None, {}) is True
+    assert _row(mgr, job_id).reason == "lost; automatic retry 2 of 2, resumes from step 4"
+    _claim(mgr, job_id)
+    assert mgr._retry_after_crash(job_id, "again", 1, {}) is False  # retries used up
+    assert _row(mgr, job_id).status == "running"
+    assert mgr._retry_after_crash(capped, "x", 1, {}) is False  # max_retries 0
+    mgr.cancel(cancelled)
+    assert mgr._retry_after_crash(cancelled, "x", 1, {}) is False  # a cancel is never retried
+    assert mgr._retry_after_crash(job_id + 100, "x", 1, {}) is False
+    with mgr.db.session(write=True) as s:  # no longer running (another server finished it): not re-queued
+        s.get(JobRow, capped).max_retries, s.get(JobRow, capped).status = 5, "failed"
+    assert mgr._retry_after_crash(capped, "x", 1, {}) is False and _row(mgr, capped).status == "failed"
+
+
+@pytest.mark.parametrize("env_secret, row_secret, env_job, pid_known, adopted", [
+    ("s", "s", True, True, True),
+    ("", None, True, True, True),  # a job started without a secret runs with an empty one
+    ("other", "s", True, True, False),  # right job id, wrong secret: a stranger
+    ("s", "s", False, True, False),  # right secret, another job's id
+    ("s", "s", True, False, False),  # the group lives but the leader's pid is unknown
+])
+def test_only_the_jobs_own_trainer_is_adopted(tmp_path, workdir, env_secret, row_secret, env_job, pid_known,
+                                              adopted):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mgr = _manager(tmp_path, workdir, url)
+    (job_id,) = _queue(mgr, 1)
+    env = {**os.environ, "SIMPLETUNER_JOB_ID": str(job_id if env_job else job_id + 1),
+           "SIMPLETUNER_WEBHOOK_SECRET": env_secret}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True)
+    try:
+        _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=proc.pid if pid_known else None, pgid=proc.pid,
+                      secret=row_secret)
+        fresh = _manager(tmp_path, workdir, url)
+        assert dict(fresh.reconcile()) == {job_id: "adopted" if adopted else "failed"}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_reconcile_leaves_this_servers_own_jobs_to_its_scheduler(tmp_path, workdir):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    (job_id,) = _queue(mgr, 1)
+    _claim(mgr, job_id)  # claimed by this server (no heartbeat yet, no process known)
+    assert mgr.reconcile() == []
+    assert _row(mgr, job_id).status == "running" and _row(mgr, job_id).owner == mgr.server_id
