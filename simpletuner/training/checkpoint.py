@@ -125,7 +125,7 @@ def load_pt(path: Path):
         raise CheckpointDamaged(f"{path}: cannot be read safely ({type(exc).__name__}: {first})") from None
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """Flush a freshly written folder's files and subfolders (and the folder) to disk before it is renamed into
     place."""
     for p in [*sorted(folder.rglob("*"), reverse=True), folder]:
@@ -174,7 +174,7 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             if shards is not None:
                 meta["sharding"] = shards.describe(tmp)
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if final.exists():  # re-running the same step (e.g. after resume): replace
                 shutil.rmtree(final)
             tmp.rename(final)

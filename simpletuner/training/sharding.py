@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -410,7 +411,9 @@ def read_full_weights(folder: Path, parts: dict) -> dict[str, torch.Tensor]:
     weights = {key[len("model."):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
                for key, md in metadata.state_dict_metadata.items()
                if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
-    dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that a load without a process group is a single-process load
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
     return weights
 
 
