@@ -735,6 +735,10 @@ class TrainConfig(StrictModel):
         stage = zero.get("stage")
         if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
             raise ValueError(f"zero_optimization.stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+        for section, ours in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler")):
+            if section in value:
+                raise ValueError(f"{section}: the trainer builds its own from the config's {ours}; remove the "
+                                 f"DeepSpeed config's {section!r} section")
         return value
 
     @field_validator("webhook_config", mode="before")
