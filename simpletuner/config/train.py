@@ -544,7 +544,7 @@ class TrainConfig(StrictModel):
                               "processes with FSDP2 (PyTorch's fully_shard; through accelerate's FSDP plugin on GPUs); "
                               "needs 2 or more processes (--num_processes)"
     )
-    fsdp_version: Literal[2] = _field(2, "distributed", "FSDP API version; only 2 (FSDP2, DTensor shards) is supported")
+    fsdp_version: Int = _field(2, "distributed", "FSDP API version; only 2 (FSDP2, DTensor shards) is supported")
     fsdp_reshard_after_forward: bool = _field(
         True, "distributed", "free each block's gathered weights after its forward and gather them again for the "
                              "backward (least memory); false keeps them until the backward (less communication)"
@@ -704,11 +704,13 @@ class TrainConfig(StrictModel):
                 if text in ("SHARDED", "FULL", "SHARDED_STATE_DICT", "FULL_STATE_DICT") else value
         return value
 
-    @field_validator("fsdp_version", mode="before")
+    @field_validator("fsdp_version")
     @classmethod
-    def _fsdp2_only(cls, value: Any) -> Any:
-        if str(value).strip() == "1":
+    def _fsdp2_only(cls, value: int) -> int:
+        if value == 1:
             raise ValueError("FSDP1 is not supported; use 2 (FSDP2, what accelerate recommends)")
+        if value != 2:
+            raise ValueError(f"{value} is not an FSDP version; use 2")
         return value
 
     @field_validator("fsdp_transformer_layer_cls_to_wrap", mode="before")
