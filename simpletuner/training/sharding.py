@@ -202,22 +202,9 @@ class FsdpRun:
 
     def require_finite(self, step: int, what: str) -> None:
         """LossNotFinite on every process when any process's shard of the trained weights is not finite."""
-        import torch.distributed as dist
-
         local = {n: (p.to_local() if hasattr(p, "to_local") else p)
                  for n, p in self.model.named_parameters() if p.requires_grad}
-        try:
-            require_finite(local, step, what)
-            error = None
-        except LossNotFinite as exc:
-            error = exc
-        flag = torch.tensor([0.0 if error is None else 1.0], device=self.accelerator.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all processes stop together, before any collective save
-        if error is not None:
-            raise error
-        if flag.item():
-            raise LossNotFinite(f"{what} at step {step}: another process's shard of the weights is not finite; not "
-                                "saved. Lower learning_rate or check the data, then Retry from the last checkpoint")
+        require_finite_everywhere(local, step, what, self.accelerator.device)
 
     def save(self, folder: Path) -> None:
         """Write the model and optimizer state into ``folder``; every process calls it together."""
@@ -250,9 +237,8 @@ class FsdpRun:
     def describe(self, folder: Path) -> dict:
         """What ``training_state.json`` records about the sharded state written into ``folder``: the layout, the
         world size, and every file's size."""
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
         return {"kind": self.kind, "state_dict_type": self.config.fsdp_state_dict_type,
-                "world_size": self.accelerator.num_processes, "files": files}
+                "world_size": self.accelerator.num_processes, "files": file_sizes(folder)}
 
     def load(self, folder: Path, parts: dict) -> None:
         """Restore the weights and the optimizer from ``folder`` (read and checked by ``read_parts``); every process
@@ -284,10 +270,31 @@ class FsdpRun:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(self.model, options=self._options(full=True))
-        if not self.accelerator.is_main_process:
-            return None
-        lora = self.model.peft_config[ADAPTER_NAME] if self.config.model_type == "lora" else None
-        return write_weights(adapter, self.config, state, transformer_config(self.model), lora, folder)
+        return write_gathered(self, adapter, state, folder)
+
+
+def require_finite_everywhere(local: dict[str, torch.Tensor], step: int, what: str, device) -> None:
+    """``require_finite`` on this process's part of the weights, raised on every process when any part is not
+    finite, so all of them stop together, before a collective save that would otherwise wait forever."""
+    import torch.distributed as dist
+
+    try:
+        require_finite(local, step, what)
+        error = None
+    except LossNotFinite as exc:
+        error = exc
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise LossNotFinite(f"{what} at step {step}: another process's part of the weights is not finite; not "
+                            "saved. Lower learning_rate or check the data, then Retry from the last checkpoint")
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` (relative path -> size), as ``check_files`` verifies them."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def _block_names(model) -> set[str]:
@@ -446,6 +453,14 @@ def write_weights(adapter, config, state: dict[str, torch.Tensor], config_of_tra
     return folder / "transformer"
 
 
+def write_gathered(run, adapter, state: dict[str, torch.Tensor], folder: Path) -> Path | None:
+    """The main process writes the gathered trained weights of ``run``; the others return None."""
+    if not run.accelerator.is_main_process:
+        return None
+    lora = run.model.peft_config[ADAPTER_NAME] if run.config.model_type == "lora" else None
+    return write_weights(adapter, run.config, state, transformer_config(run.model), lora, folder)
+
+
 # ---- DeepSpeed (CUDA only) -------------------------------------------------------------------------------------
 class DeepSpeedRun:
     """A DeepSpeed ZeRO run: accelerate's DeepSpeed plugin prepares the model, and DeepSpeed's engine writes and
@@ -473,7 +488,9 @@ class DeepSpeedRun:
         return transformer, optimizer, lr_scheduler
 
     def require_finite(self, step: int, what: str) -> None:
-        pass  # ZeRO-3 holds partitions only; DeepSpeed's own overflow checks skip non-finite steps
+        # ZeRO-3 keeps each process's partition of a parameter in ``ds_tensor`` (``data`` is then empty)
+        local = {n: getattr(p, "ds_tensor", p) for n, p in self.model.named_parameters() if p.requires_grad}
+        require_finite_everywhere(local, step, what, self.accelerator.device)
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder / self.folder), tag=self.tag)
@@ -481,8 +498,7 @@ class DeepSpeedRun:
             (folder / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json", exclude=_PRIVATE), indent=2))
 
     def describe(self, folder: Path) -> dict:
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        return {"kind": self.kind, "world_size": self.accelerator.num_processes, "files": files}
+        return {"kind": self.kind, "world_size": self.accelerator.num_processes, "files": file_sizes(folder)}
 
     def load(self, folder: Path, parts: dict) -> None:
         self.engine.load_checkpoint(str(folder / self.folder), tag=self.tag, load_optimizer_states=True,
@@ -490,9 +506,5 @@ class DeepSpeedRun:
 
     def export(self, adapter, folder: Path) -> Path | None:
         state = self.accelerator.get_state_dict(self.engine)  # ZeRO-3 gathers its partitions
-        if not self.accelerator.is_main_process:
-            return None
         trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        state = {k: v for k, v in state.items() if k in trained}
-        lora = self.model.peft_config[ADAPTER_NAME] if self.config.model_type == "lora" else None
-        return write_weights(adapter, self.config, state, transformer_config(self.model), lora, folder)
+        return write_gathered(self, adapter, {k: v for k, v in state.items() if k in trained}, folder)

@@ -16,6 +16,7 @@ import torch
 
 from simpletuner.training import sharding
 from simpletuner.training.checkpoint import CheckpointDamaged
+from simpletuner.training.guards import LossNotFinite
 from tests.helpers import flux_config
 
 WORLD = 2
@@ -129,6 +130,16 @@ def _worker(rank: int, root: str, port: int) -> None:
         resume(config, output, str(output / "checkpoint-4"))
     except CheckpointDamaged as exc:
         results["damaged/named"] = str(exc)
+
+    # a NaN in one process's shard stops every process before a collective save could wait for it
+    run, model, *_ = build(config)
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).to_local().fill_(float("nan"))
+    try:
+        run.require_finite(5, "checkpoint")
+    except LossNotFinite as exc:
+        results["nan"] = str(exc)
     (root / f"result-{rank}.json").write_text(json.dumps(results))
     accelerator.end_training()
 
@@ -188,6 +199,12 @@ def test_a_damaged_shard_is_named_and_latest_falls_back(two_ranks):
         assert (name, step) == ("checkpoint-2", 2)
         assert loss == result["full-sharded"]["expected"][0]  # it trains on exactly as from checkpoint-2
         assert "checkpoint-4/sharded/__1_0.distcp: 1000 bytes, but" in result["damaged/named"]
+
+
+def test_a_non_finite_shard_stops_every_process(two_ranks):
+    _, results = two_ranks
+    assert "another process's part of the weights is not finite" in results[0]["nan"]
+    assert "checkpoint at step 5: 1 weight tensor(s) are not finite" in results[1]["nan"]
 
 
 @pytest.mark.parametrize("name", ["full-sharded", "full-full", "lora-sharded"])
