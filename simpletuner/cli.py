@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("simpletuner.server.agent", "run a server's jobs on this machine (claims, heartbeats, launches)"),
     "workers": ("simpletuner.server.workers_cli", "list a server's workers; create, list and revoke worker tokens"),
     "configure": ("simpletuner.config.wizard", "interactive wizard that writes config/config.json"),
+    "consolidate": ("simpletuner.training.consolidate",
+                    "turn a sharded (FSDP) checkpoint into a diffusers transformer folder or a LoRA file"),
 }
 
 

@@ -23,6 +23,7 @@ T, V, E, D, M = ("simpletuner/training/trainer.py", "simpletuner/evaluation/vali
 FLUX, OPT, LORA, OBJ = ("simpletuner/models/flux.py", "simpletuner/training/optimizers.py",
                         "simpletuner/training/lora.py", "simpletuner/models/objectives.py")
 TRACK, PROMPTS = "simpletuner/evaluation/trackers.py", "simpletuner/evaluation/prompts.py"
+SHARD = "simpletuner/training/sharding.py"
 
 # field -> (module that reads it, the name it reads; default: the field itself)
 TRAIN_READERS: dict[str, tuple[str, str] | str] = {
@@ -58,6 +59,8 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "evaluation_type": E, "pretrained_evaluation_model_name_or_path": "simpletuner/evaluation/clip_score.py",
     "eval_steps_interval": E, "report_to": TRACK, "tracker_project_name": TRACK, "tracker_run_name": TRACK,
     "logging_dir": TRACK, "webhook_config": T,
+    "fsdp_enable": SHARD, "fsdp_version": SHARD, "fsdp_reshard_after_forward": SHARD, "fsdp_state_dict_type": SHARD,
+    "fsdp_transformer_layer_cls_to_wrap": SHARD, "deepspeed_config": SHARD,
 }
 # fields the config layer itself consumes, and why that is where they act
 TRAIN_CONFIG_ONLY = {
@@ -79,6 +82,9 @@ DEVICE_REFUSED = {
     "optimizer": ({"optimizer": "bnb-adamw8bit"}, "cpu", "uses bitsandbytes' CUDA kernels"),
     "base_model_precision": ({"base_model_precision": "nf4-bnb"}, "cpu", "quantizes with bitsandbytes on a CUDA"),
     "lora_init_type": ({"lora_init_type": "loftq"}, "cpu", "quantizes the base with bitsandbytes on a CUDA GPU"),
+    "deepspeed_config": ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "cpu", "DeepSpeed ZeRO runs on "
+                                                                                          "CUDA GPUs"),
+    "mixed_precision": ({"fsdp_enable": True, "mixed_precision": "bf16"}, "cpu", "a sharded CPU run trains in fp32"),
 }
 
 DATASET_READERS: dict[str, tuple[str, str] | str] = {
@@ -210,6 +216,9 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
                 # full fine-tunes with regularisation data only (tests/e2e/test_regularisation_e2e.py)
                 "regularisation_base_device",
+                # sharded runs only (tests/training/test_sharding.py, tests/e2e/test_fsdp_e2e.py)
+                "fsdp_version", "fsdp_reshard_after_forward", "fsdp_state_dict_type",
+                "fsdp_transformer_layer_cls_to_wrap",
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

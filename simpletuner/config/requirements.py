@@ -37,6 +37,7 @@ TORCHAO = Package("torchao", "torchao", "torchao")
 QUANTO = Package("optimum.quanto", "optimum-quanto", None)
 WANDB = Package("wandb", "wandb", None)
 TENSORBOARD = Package("tensorboard", "tensorboard", "tracking")
+DEEPSPEED = Package("deepspeed", "deepspeed", "deepspeed")
 
 # ``optimizer`` choices, with SimpleTuner's names, and the package each needs (None: torch itself / this package).
 # bitsandbytes' optimizers run on CUDA only here (see device_errors).
@@ -96,6 +97,8 @@ def needed_packages(values: Mapping[str, Any]) -> list[tuple[str, Package]]:
         package = _precision_package(str(values.get(name) or "no_change"))
         if package is not None:
             needs.append((name, package))
+    if values.get("deepspeed_config") is not None:
+        needs.append(("deepspeed_config", DEEPSPEED))
     report_to = values.get("report_to")
     if report_to in ("wandb", "all"):
         needs.append(("report_to", WANDB))
@@ -140,6 +143,13 @@ def device_errors(values: Mapping[str, Any], device_type: str) -> list[FieldErro
     if values.get("model_type", "lora") == "lora" and values.get("lora_init_type") == "loftq" and device_type != "cuda":
         errors.append(FieldError("lora_init_type", f"'loftq' quantizes the base with bitsandbytes on a CUDA GPU and "
                                                    f"this run is on {device_type}; use 'default' here"))
+    if values.get("deepspeed_config") is not None and device_type != "cuda":
+        errors.append(FieldError("deepspeed_config", f"DeepSpeed ZeRO runs on CUDA GPUs and this run is on "
+                                                     f"{device_type}; remove it (fsdp_enable shards on any device)"))
+    if values.get("fsdp_enable") and device_type == "cpu" and values.get("mixed_precision", "no") != "no":
+        errors.append(FieldError("mixed_precision", f"{values.get('mixed_precision')!r} with fsdp_enable on the CPU: "
+                                                    "a sharded CPU run trains in fp32 here; set mixed_precision "
+                                                    "'no'"))
     if values.get("enable_model_cpu_offload") and device_type == "cpu":
         errors.append(FieldError("enable_model_cpu_offload", "the run is on the CPU, so there is no accelerator "
                                                              "memory to offload the VAE and text encoders from; "

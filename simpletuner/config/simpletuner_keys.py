@@ -102,6 +102,13 @@ TRAIN_KEYS: Mapping[str, KeyRule] = {
     "i_know_what_i_am_doing": KeyRule(
         f"{_NO_EFFECT}: the checks here cannot be switched off; each error says what to change",
         accepts=_off, refuse=False),
+    "fsdp_auto_wrap_policy": KeyRule(
+        "only TRANSFORMER_BASED_WRAP is implemented: each block named by fsdp_transformer_layer_cls_to_wrap (the "
+        "family's transformer blocks by default) is sharded on its own; remove it or set TRANSFORMER_BASED_WRAP",
+        accepts=_equals("transformer_based_wrap")),
+    "fsdp_cpu_ram_efficient_loading": KeyRule(
+        "is not implemented: every process loads the base weights before they are sharded; remove it or set "
+        "false"),
     # --- Hub publishing ---
     "push_to_hub": KeyRule(_NO_HUB_UPLOAD),
     "push_checkpoints_to_hub": KeyRule(_NO_HUB_UPLOAD),

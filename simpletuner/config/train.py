@@ -45,6 +45,7 @@ GROUPS: dict[str, str] = {
     "validation": "Validation",
     "logging": "Logging",
     "data": "Data",
+    "distributed": "Several GPUs (FSDP, DeepSpeed)",
 }
 # Upper bounds that no real run comes near; they turn typos such as max_train_steps=2**63 into clear errors.
 MAX_STEPS = 1_000_000_000
@@ -537,6 +538,33 @@ class TrainConfig(StrictModel):
     )
     compile: bool = _field(False, "memory", "torch.compile the transformer")
 
+    # sharded training (several processes)
+    fsdp_enable: bool = _field(
+        False, "distributed", "shard the transformer's weights, gradients and optimizer state across the run's "
+                              "processes with FSDP2 (PyTorch's fully_shard; through accelerate's FSDP plugin on GPUs); "
+                              "needs 2 or more processes (--num_processes)"
+    )
+    fsdp_version: Int = _field(2, "distributed", "FSDP API version; only 2 (FSDP2, DTensor shards) is supported")
+    fsdp_reshard_after_forward: bool = _field(
+        True, "distributed", "free each block's gathered weights after its forward and gather them again for the "
+                             "backward (least memory); false keeps them until the backward (less communication)"
+    )
+    fsdp_state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = _field(
+        "SHARDED_STATE_DICT", "distributed", "checkpoint layout with fsdp_enable: SHARDED_STATE_DICT (every process "
+                                             "writes its own shard; 'sharded') or FULL_STATE_DICT (the main process "
+                                             "gathers and writes whole tensors; 'full')"
+    )
+    fsdp_transformer_layer_cls_to_wrap: Optional[list[str]] = _field(
+        None, "distributed", "class names of the blocks sharded one by one, comma-separated (e.g. "
+                             "'FluxTransformerBlock,FluxSingleTransformerBlock'); empty = the model family's own "
+                             "transformer blocks"
+    )
+    deepspeed_config: Optional[dict[str, Any]] = _field(
+        None, "distributed", "DeepSpeed config passed to accelerate (ZeRO stage 2 or 3 on CUDA GPUs): a JSON object "
+                             "or the path of a JSON file; 'auto' batch, accumulation and clipping values are filled "
+                             "from this config", extra={"path": "json"}
+    )
+
     # EMA
     use_ema: bool = _field(False, "training", "keep an exponential moving average of the trained weights")
     ema_decay: float = _field(0.995, "training", "EMA decay (ramped up from 0 over the first steps, as diffusers "
@@ -670,6 +698,55 @@ class TrainConfig(StrictModel):
     @classmethod
     def _lycoris_file(cls, value: Any) -> Any:
         return _json_or_file(value, "an object such as {\"algo\": \"lokr\", \"factor\": 16}")
+
+    @field_validator("fsdp_state_dict_type", mode="before")
+    @classmethod
+    def _state_dict_type(cls, value: Any) -> Any:
+        # accelerate's spelling, or the short 'sharded' / 'full'
+        if isinstance(value, str):
+            text = value.strip().upper()
+            return {"SHARDED": "SHARDED_STATE_DICT", "FULL": "FULL_STATE_DICT"}.get(text, text) \
+                if text in ("SHARDED", "FULL", "SHARDED_STATE_DICT", "FULL_STATE_DICT") else value
+        return value
+
+    @field_validator("fsdp_version")
+    @classmethod
+    def _fsdp2_only(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("FSDP1 is not supported; use 2 (FSDP2, what accelerate recommends)")
+        if value != 2:
+            raise ValueError(f"{value} is not an FSDP version; use 2")
+        return value
+
+    @field_validator("fsdp_transformer_layer_cls_to_wrap", mode="before")
+    @classmethod
+    def _class_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [name.strip() for name in value.split(",") if name.strip()] or None
+        for name in value or []:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"{name!r} is not a class name (expected e.g. 'FluxTransformerBlock')")
+        return value
+
+    @field_validator("deepspeed_config", mode="before")
+    @classmethod
+    def _deepspeed_file(cls, value: Any) -> Any:
+        value = _json_or_file(value, 'an object such as {"zero_optimization": {"stage": 2}}')
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        zero = value.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError('zero_optimization: expected an object such as {"stage": 2}')
+        stage = zero.get("stage")
+        if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+            raise ValueError(f"zero_optimization.stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+        for section, ours in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler")):
+            if section in value:
+                raise ValueError(f"{section}: the trainer builds its own from the config's {ours}; remove the "
+                                 f"DeepSpeed config's {section!r} section")
+        return value
 
     @field_validator("webhook_config", mode="before")
     @classmethod
@@ -835,6 +912,7 @@ class TrainConfig(StrictModel):
                     "block (gradient_checkpointing true, gradient_checkpointing_interval empty or 1)",
                 )
             )
+        errors.extend(_sharding_errors(self))
         if self.model_type == "lora" and self.lora_alpha is None:
             self.lora_alpha = float(self.lora_rank)
         if errors:
@@ -858,6 +936,39 @@ class TrainConfig(StrictModel):
             return [(side, side)]
         side = int(self.resolution)
         return [(side, side)]
+
+
+# settings a sharded run (fsdp_enable, deepspeed_config) cannot take yet, and why
+_NOT_SHARDED = {
+    "use_ema": "the EMA would average one process's shard only",
+    "enable_group_offload": "group offload moves whole blocks that FSDP holds as shards",
+    "tread_config": "TREAD's router is not proven on sharded blocks",
+    "compile": "compiled blocks are not proven under sharding",
+    "validation_steps": "every process must take part in each forward of a sharded model, and validation runs on "
+                        "the main process only; validate the consolidated model (simpletuner consolidate)",
+    "validation_on_startup": "validation runs on the main process only (see validation_steps)",
+    "eval_steps_interval": "the eval loss runs on the main process only (see validation_steps)",
+}
+
+
+def _sharding_errors(config: TrainConfig) -> list[FieldError]:
+    """What ``fsdp_enable`` / ``deepspeed_config`` cannot be combined with."""
+    if not (config.fsdp_enable or config.deepspeed_config is not None):
+        return []
+    errors = []
+    mode = "fsdp_enable" if config.fsdp_enable else "deepspeed_config"
+    if config.fsdp_enable and config.deepspeed_config is not None:
+        errors.append(FieldError("deepspeed_config", "cannot be combined with fsdp_enable; choose one"))
+    for name, why in _NOT_SHARDED.items():
+        if getattr(config, name) not in (None, False):
+            errors.append(FieldError(name, f"cannot be combined with {mode} yet: {why}"))
+    if config.base_model_precision != "no_change":
+        errors.append(FieldError("base_model_precision", f"{config.base_model_precision!r} cannot be combined with "
+                                                         f"{mode}: quantized weights cannot be sharded here; use "
+                                                         "no_change"))
+    if config.model_type == "lora" and config.lora_type == "lycoris":
+        errors.append(FieldError("lora_type", f"'lycoris' cannot be combined with {mode} yet; use 'standard'"))
+    return errors
 
 
 def is_local(path: str) -> bool:

@@ -535,6 +535,13 @@ class ModelAdapter(metaclass=_AdapterMeta):
         """How many blocks a TREAD route can index (read from config, without loading weights)."""
         raise ValueError(f"tread_config: model_family {self.family!r} does not support TREAD routing")
 
+    @classmethod
+    def fsdp_block_classes(cls) -> list[str]:
+        """Class names of the blocks FSDP shards one by one (``fsdp_transformer_layer_cls_to_wrap`` when the config
+        names none): the denoiser's ``_no_split_modules``, where diffusers lists its transformer blocks. A family
+        whose denoiser lists none names its blocks here."""
+        return list(getattr(cls.denoiser_class, "_no_split_modules", None) or [])
+
     @abstractmethod
     def tread_layout(self, transformer) -> TreadLayout | None:
         """Where TREAD hooks in this family's blocks (and then ``transformer_depth`` counts them), or None when its

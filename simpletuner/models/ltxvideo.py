@@ -52,6 +52,10 @@ class LTXVideoAdapter(ModelAdapter):
     def write_tiny_checkpoint(folder: Path) -> None:
         write_tiny_ltx(folder)
 
+    @classmethod
+    def fsdp_block_classes(cls) -> list[str]:
+        return ["LTXVideoTransformerBlock"]  # diffusers' LTX transformer lists no _no_split_modules
+
     @property
     def text_length(self) -> int:
         configured = getattr(self.config, "tokenizer_max_length", None)

@@ -3,12 +3,16 @@ exactly, and read without unpickling anything.
 
 A checkpoint folder ``checkpoint-<step>`` holds
 - ``trainable.safetensors``: the trainable weights (LoRA or the full model's trainable parameters);
-- ``optimizer.pt``, or ``optimizer-rank<r>.pt`` per rank when the optimizer state is sharded across ranks
-  (FSDP / DeepSpeed ZeRO): each rank writes and reads back its own shard;
+- ``optimizer.pt``;
 - ``scheduler.pt``;
 - ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
 - ``ema.pt`` with ``use_ema``: the EMA of the trained weights and its update count;
-- ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
+- ``training_state.json``: the run position (``RunState``) and the world size.
+
+A sharded run (FSDP, DeepSpeed: ``sharding.py``) writes its model and optimizer state its own way instead of
+``trainable.safetensors`` / ``optimizer.pt`` (every process its shard, all of them together), and
+``training_state.json`` then says how (``sharding``: the layout, the world size, every file's size); such a checkpoint
+resumes with the same number of processes, and only in a sharded run.
 
 Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
 finished, its files flushed to disk, so a crash never leaves a half-written checkpoint that resume would pick up
@@ -110,7 +114,7 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt" if rank else "rng.pt"
 
 
-def _load(path: Path):
+def load_pt(path: Path):
     """A ``.pt`` state file read without unpickling code; CheckpointDamaged names it when it does not read back."""
     if not path.is_file():
         raise CheckpointDamaged(f"{path}: missing")
@@ -121,9 +125,10 @@ def _load(path: Path):
         raise CheckpointDamaged(f"{path}: cannot be read safely ({type(exc).__name__}: {first})") from None
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush a freshly written folder's files (and the folder) to disk before it is renamed into place."""
-    for p in [*folder.iterdir(), folder]:
+def fsync_tree(folder: Path) -> None:
+    """Flush a freshly written folder's files and subfolders (and the folder) to disk before it is renamed into
+    place."""
+    for p in [*sorted(folder.rglob("*"), reverse=True), folder]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -134,12 +139,12 @@ def _fsync_tree(folder: Path) -> None:
 # ---- save / load ---------------------------------------------------------------------------------------------
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
-                    barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False,
+                    barrier: Callable[[], None] | None = None, shards=None,
                     ema_state: dict | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
-    ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
-    state; otherwise the main process saves the (replicated) one.
+    ``trainable`` is needed on the main process only, and the main process saves the (replicated) optimizer state;
+    with ``shards`` (a sharded run, ``sharding.py``) every rank writes its part of both through ``shards.save``.
     """
     barrier = barrier or (lambda: None)
     root = Path(output_dir)
@@ -153,21 +158,23 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
     barrier()
     try:
         torch.save(rng_state(state.generator), tmp / _rng_file(rank))
-        if sharded_optimizer:
-            torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        if shards is not None:
+            shards.save(tmp)  # every rank its part, together
         barrier()
         if rank == 0:
-            save_file({k: v.detach().cpu().contiguous() for k, v in (trainable or {}).items()},
-                      tmp / "trainable.safetensors")
-            if not sharded_optimizer:
+            if shards is None:
+                save_file({k: v.detach().cpu().contiguous() for k, v in (trainable or {}).items()},
+                          tmp / "trainable.safetensors")
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             failpoints.hit("checkpoint.save", step)  # crash drills: die with the checkpoint half-written
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if ema_state is not None:
                 torch.save(ema_state, tmp / "ema.pt")
-            meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
+            meta = {**state.position(), "world_size": world_size}
+            if shards is not None:
+                meta["sharding"] = shards.describe(tmp)
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if final.exists():  # re-running the same step (e.g. after resume): replace
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -193,71 +200,93 @@ def read_training_state(path: Path) -> dict:
     return saved
 
 
-def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
-    """Every file of ``checkpoint-<step>`` this rank restores, read into memory; CheckpointDamaged names the first
-    one that is missing or does not read back whole, so a damaged checkpoint restores nothing. Every rank's RNG
-    file is read on every rank, so all ranks judge a checkpoint alike."""
+def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, shards=None) -> dict:
+    """Every file of ``checkpoint-<step>`` this rank restores, read into memory (a sharded run's tensors are only
+    checked: they are read straight into its shards); CheckpointDamaged names the first one that is missing or does
+    not read back whole, so a damaged checkpoint restores nothing. Every rank's RNG file is read on every rank, so
+    all ranks judge a checkpoint alike."""
     path = Path(path)
     saved = read_training_state(path)
-    sharded = bool(saved.get("sharded_optimizer"))
+    sharding = saved.get("sharding")
     saved_world = int(saved.get("world_size", 1))
-    if sharded and saved_world != world_size:
-        raise ValueError(f"resume_from_checkpoint: {path} holds optimizer shards of {saved_world} processes; "
-                         f"resume it with {saved_world} processes (this run has {world_size})")
+    if sharding and shards is None:
+        raise ValueError(f"resume_from_checkpoint: {path} holds the sharded state of a {sharding.get('kind')} run "
+                         f"with {saved_world} processes; resume it with the same sharding and number of processes, "
+                         f"or turn it into weights with `simpletuner consolidate {path}`")
+    if shards is not None and not sharding:
+        raise ValueError(f"resume_from_checkpoint: {path} was written by a run without sharding; this run shards "
+                         f"its state ({shards.kind}): resume it without fsdp_enable / deepspeed_config, or start over")
+    if sharding and saved_world != world_size:
+        raise ValueError(f"resume_from_checkpoint: {path} holds the shards of {saved_world} processes; resume it "
+                         f"with {saved_world} processes (this run has {world_size})")
     if not (path / _rng_file(rank)).is_file() and rank >= saved_world:
         raise FileNotFoundError(f"resume_from_checkpoint: {path} has no RNG state for process {rank} "
                                 "(it was saved by a run with fewer processes)")
     parts: dict = {"state": saved}
-    try:
-        parts["trainable"] = load_file(path / "trainable.safetensors")
-    except Exception as exc:  # safetensors' own error type: a truncated file, a bad header
-        raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
-    parts["optimizer"] = _load(path / (f"optimizer-rank{rank}.pt" if sharded else "optimizer.pt"))
-    parts["scheduler"] = _load(path / "scheduler.pt")
+    if sharding:
+        from simpletuner.training.sharding import read_parts
+
+        parts["shards"] = read_parts(path, sharding)
+    else:
+        try:
+            parts["trainable"] = load_file(path / "trainable.safetensors")
+        except Exception as exc:  # safetensors' own error type: a truncated file, a bad header
+            raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
+        parts["optimizer"] = load_pt(path / "optimizer.pt")
+    parts["scheduler"] = load_pt(path / "scheduler.pt")
     if (path / "ema.pt").is_file():
-        parts["ema"], parts["ema_file"] = _load(path / "ema.pt"), str(path / "ema.pt")
+        parts["ema"], parts["ema_file"] = load_pt(path / "ema.pt"), str(path / "ema.pt")
     for r in range(saved_world):
-        rng = _load(path / _rng_file(r))
+        rng = load_pt(path / _rng_file(r))
         if r == rank:
             parts["rng"] = rng
     return parts
 
 
-def _restore(parts: dict, state: RunState, optimizer, lr_scheduler, ema=None) -> dict[str, torch.Tensor]:
+def _restore(path: Path, parts: dict, state: RunState, optimizer, lr_scheduler, ema=None,
+             shards=None) -> dict[str, torch.Tensor] | None:
     if ema is not None and "ema" in parts:  # first: it checks the saved shapes against the model
         ema.load_state_dict(parts["ema"], parts["ema_file"])
-    optimizer.load_state_dict(parts["optimizer"])
+    if "shards" in parts:
+        shards.load(path, parts["shards"])  # the weights and the optimizer, every rank together
+    else:
+        optimizer.load_state_dict(parts["optimizer"])
     lr_scheduler.load_state_dict(parts["scheduler"])
     restore_rng(parts["rng"], state.generator)
     state.restore_position(parts["state"])
-    return parts["trainable"]
+    return parts.get("trainable")
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
-                    world_size: int = 1, ema=None) -> dict[str, torch.Tensor]:
+                    world_size: int = 1, ema=None, shards=None) -> dict[str, torch.Tensor] | None:
     """Restore optimizer, scheduler, the EMA (when ``ema`` is given), this rank's RNG and the run position into
-    ``state``; returns the trainable weights. Everything is read (and checked) before anything is restored. A
-    checkpoint with per-rank optimizer shards needs the world size it was saved with."""
-    return _restore(read_checkpoint(path, rank, world_size), state, optimizer, lr_scheduler, ema)
+    ``state``; returns the trainable weights (None for a sharded run, whose ``shards`` restores them itself).
+    Everything is read (and checked) before anything is restored. A sharded checkpoint needs the world size it was
+    saved with."""
+    path = Path(path)
+    return _restore(path, read_checkpoint(path, rank, world_size, shards), state, optimizer, lr_scheduler, ema,
+                    shards)
 
 
 def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: RunState, *, optimizer, lr_scheduler,
-           rank: int = 0, world_size: int = 1, ema=None) -> tuple[Path, dict[str, torch.Tensor]] | None:
-    """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights), or None when there is
-    nothing to resume. With ``latest`` a damaged newest checkpoint is reported by file and the one before it used."""
+           rank: int = 0, world_size: int = 1, ema=None,
+           shards=None) -> tuple[Path, dict[str, torch.Tensor] | None] | None:
+    """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights or None when ``shards``
+    restored them), or None when there is nothing to resume. With ``latest`` a damaged newest checkpoint is
+    reported by file and the one before it used."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint != "latest":
         path = resolve_resume(output_dir, resume_from_checkpoint)
         return path, load_checkpoint(path, state, optimizer=optimizer, lr_scheduler=lr_scheduler, rank=rank,
-                                     world_size=world_size, ema=ema)
+                                     world_size=world_size, ema=ema, shards=shards)
     for path in reversed(list_checkpoints(output_dir)):
         try:
-            parts = read_checkpoint(path, rank, world_size)
+            parts = read_checkpoint(path, rank, world_size, shards)
         except CheckpointDamaged as exc:
             log.warning("%s; resuming from the checkpoint before it", exc)
             continue
-        return path, _restore(parts, state, optimizer, lr_scheduler, ema)
+        return path, _restore(path, parts, state, optimizer, lr_scheduler, ema, shards)
     return None
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from diffusers.optimization import get_scheduler
 from tqdm.auto import tqdm
 
@@ -34,6 +34,7 @@ from simpletuner.data.sampler import BucketBatchSampler
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training import sharding
 from simpletuner.training.evaluator import Evaluator
 from simpletuner.training.guards import NanLossGuard, require_finite
 from simpletuner.training.lora import (add_lora, add_lycoris, load_lora_state, load_lycoris_trainable, lora_state_dict,
@@ -448,6 +449,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     accelerator = Accelerator(
         mixed_precision=config.mixed_precision if config.mixed_precision != "no" else "no",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
+        **sharding.accelerator_kwargs(config),  # FSDP / DeepSpeed plugins on GPUs
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.seed is not None:
@@ -464,6 +466,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                              weight_dtype=weight_dtype_for(config, accelerator.device),
                              references=backends.uses_references)
     preflight(config, adapter, accelerator.device, backends)
+    shards = sharding.for_run(config, accelerator)  # fsdp_enable / deepspeed_config; None otherwise
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
     data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
@@ -471,7 +474,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- model, optimizer, schedule ----
     transformer = build_transformer(config, adapter, accelerator, generator)
     base_model = build_regularisation_base(config, adapter, backends, accelerator.device)
-    params = [p for p in transformer.parameters() if p.requires_grad]
+    if shards is not None:
+        transformer = shards.shard(transformer)  # FSDP on the CPU: its parameters become shards here
     optimizer = build_optimizer(config, param_groups(transformer, config, adapter_family(config).lr_scale))
     schedule = config.lr_scheduler
     if OPTIMIZERS[config.optimizer].schedule_free:
@@ -485,10 +489,15 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
         num_warmup_steps=config.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes,
     )
-    # group-offloaded modules are placed by their hooks; accelerate must not move them with .to()
-    placement = [not config.enable_group_offload, True, True]
-    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler,
-                                                               device_placement=placement)
+    if shards is not None:
+        transformer, optimizer, lr_scheduler = shards.prepare(transformer, optimizer, lr_scheduler)
+    else:
+        # group-offloaded modules are placed by their hooks; accelerate must not move them with .to()
+        placement = [not config.enable_group_offload, True, True]
+        transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler,
+                                                                   device_placement=placement)
+    # after prepare: accelerate's FSDP plugin replaces the parameters with their shards
+    params = [p for p in _unwrap(transformer).parameters() if p.requires_grad]
     ema = None
     if config.use_ema:
         from simpletuner.training.ema import TrainedWeightsEMA
@@ -500,10 +509,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
     # ---- resume ----
     resumed = ckpt.resume(output_dir, config.resume_from_checkpoint, state, optimizer=optimizer,
                           lr_scheduler=lr_scheduler, rank=accelerator.process_index,
-                          world_size=accelerator.num_processes, ema=ema)
+                          world_size=accelerator.num_processes, ema=ema, shards=shards)
     if resumed is not None:
         resume_path, trainable = resumed
-        _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
+        if trainable is not None:  # a sharded run's shards restored the weights themselves
+            _load_trainable(_unwrap(transformer), trainable, config, str(resume_path))
         if ema is not None and not (resume_path / "ema.pt").is_file():
             log.warning("%s has no EMA (it was saved without use_ema): the EMA starts from the resumed weights",
                         resume_path)
@@ -524,7 +534,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), state.global_step
     accumulated = 0.0
-    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema)
+    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema, shards)
     nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while state.global_step < max_steps:
@@ -589,7 +599,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                          vae_forwards=adapter.vae_forwards, text_encoder_forwards=adapter.text_encoder_forwards,
                          latents_encoded=data.latents_encoded, captions_encoded=data.captions_encoded,
                          skipped_files=data.skipped)
-    if accelerator.is_main_process:
+    if shards is not None:  # every process gathers; the main one writes
+        shards.require_finite(step, "the final model")
+        with evaluation_weights(optimizer):
+            path = shards.export(adapter, output_dir)
+    elif accelerator.is_main_process:
         model = accelerator.unwrap_model(transformer)
         require_finite(_trainable_state(model, config), step, "the final model")
         with evaluation_weights(optimizer):  # a schedule-free optimizer's averaged weights are the result
@@ -597,6 +611,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
             if ema is not None:
                 with ema.swapped_in():
                     result.ema_path = str(export_weights(config, adapter, model, output_dir / "ema"))
+    if accelerator.is_main_process:
         if config.model_type == "lora":
             result.lora_path = str(path)
         else:
@@ -659,20 +674,23 @@ def _load_trainable(model, state, config, source: str) -> None:
                          f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
 
 
-def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None):
-    """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG, its optimizer shard when the
-    optimizer state is sharded); the main process adds the weights and publishes the folder."""
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None, shards=None):
+    """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG; in a sharded run its shard of
+    the weights and optimizer); the main process adds the rest and publishes the folder."""
 
     def save(state: RunState) -> None:
         main = accelerator.is_main_process
-        trainable = _trainable_state(accelerator.unwrap_model(transformer), config)
-        require_finite(trainable, state.global_step, "checkpoint")  # on every rank, so they stop together
+        trainable = None
+        if shards is not None:
+            shards.require_finite(state.global_step, "checkpoint")
+        else:
+            trainable = _trainable_state(accelerator.unwrap_model(transformer), config)
+            require_finite(trainable, state.global_step, "checkpoint")  # on every rank, so they stop together
         path = ckpt.save_checkpoint(
             config.output_dir, state, trainable=trainable if main else None,
             optimizer=optimizer, lr_scheduler=lr_scheduler, total_limit=config.checkpoints_total_limit,
             rank=accelerator.process_index, world_size=accelerator.num_processes,
-            barrier=accelerator.wait_for_everyone, sharded_optimizer=sharded,
+            barrier=accelerator.wait_for_everyone, shards=shards,
             ema_state=ema.state_dict() if ema is not None and main else None,
         )
         if main:

@@ -30,7 +30,8 @@ def _errors(exc: ConfigError) -> dict[str, str]:
     ("push_to_hub", "false"), ("push_to_hub", False), ("noise_offset", 0), ("noise_offset", "0.0"),
     ("lr_end", 1e-7), ("lr_num_cycles", "1"), ("data_backend_sampling", "uniform"), ("ema_cpu_only", True),
     ("checkpointing_use_tempdir", True), ("validation_lycoris_strength", 1.0), ("validation_guidance_rescale", 0.0),
-    ("use_dora", "false"), ("model_card_safe_for_work", True),
+    ("use_dora", "false"), ("model_card_safe_for_work", True), ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+    ("fsdp_cpu_ram_efficient_loading", False),
 ])
 def test_values_that_ask_for_nothing_we_skip_are_accepted_silently(key, value):
     loaded = _load(**{key: value})
@@ -46,6 +47,8 @@ def test_values_that_ask_for_nothing_we_skip_are_accepted_silently(key, value):
     ("data_backend_sampling", "auto-weighting", "uniform"),
     ("ema_cpu_only", False, "ema_device: accelerator"),
     ("minimum_image_size", 512, "multidatabackend.json"),
+    ("fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"),
+    ("fsdp_cpu_ram_efficient_loading", True, "every process loads the base weights"),
 ])
 def test_other_values_are_refused_naming_the_key_and_what_to_use(key, value, says):
     with pytest.raises(ConfigError) as info:

@@ -68,7 +68,7 @@ def test_restore_brings_back_optimizer_rng_and_position(tmp_path):
                                                                    expected[1])
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     meta = json.loads((path / "training_state.json").read_text())
-    assert meta["global_step"] == 8 and meta["world_size"] == 1 and meta["sharded_optimizer"] is False
+    assert meta["global_step"] == 8 and meta["world_size"] == 1 and "sharding" not in meta
 
 
 def test_damaged_training_state_names_the_file(tmp_path):
@@ -78,6 +78,23 @@ def test_damaged_training_state_names_the_file(tmp_path):
     (path / "training_state.json").write_text("")
     with pytest.raises(ckpt.CheckpointDamaged, match=r"checkpoint-3/training_state.json: empty or damaged"):
         ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)
+
+
+class PerRankOptimizer:
+    """Stands in for sharding.FsdpRun in the checkpoint protocol: each rank writes its own optimizer state (the
+    real one is proven across gloo processes in test_sharding.py)."""
+
+    kind = "fsdp"
+
+    def __init__(self, opt, rank, world):
+        self.opt, self.rank, self.world = opt, rank, world
+
+    def save(self, folder):
+        torch.save(self.opt.state_dict(), folder / f"optimizer-rank{self.rank}.pt")
+
+    def describe(self, folder):
+        files = {p.name: p.stat().st_size for p in folder.iterdir() if p.name.startswith("optimizer-rank")}
+        return {"kind": self.kind, "state_dict_type": "SHARDED_STATE_DICT", "world_size": self.world, "files": files}
 
 
 def _save_as_ranks(tmp_path, world, sharded):
@@ -92,7 +109,7 @@ def _save_as_ranks(tmp_path, world, sharded):
             model, opt, sched = parts[r]
             ckpt.save_checkpoint(tmp_path, states[r], trainable=dict(model.named_parameters()) if r == 0 else None,
                                  optimizer=opt, lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
-                                 barrier=barrier.wait, sharded_optimizer=sharded)
+                                 barrier=barrier.wait, shards=PerRankOptimizer(opt, r, world) if sharded else None)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
             barrier.abort()
@@ -106,21 +123,30 @@ def _save_as_ranks(tmp_path, world, sharded):
     return parts, states
 
 
-def test_sharded_optimizer_state_is_saved_and_restored_per_rank(tmp_path):
-    parts, states = _save_as_ranks(tmp_path, world=2, sharded=True)
+def test_sharded_state_is_written_by_every_rank_and_recorded(tmp_path):
+    _save_as_ranks(tmp_path, world=2, sharded=True)
     path = tmp_path / "checkpoint-4"
+    # each rank wrote its part; the main process wrote no whole weights or optimizer beside them
     assert sorted(p.name for p in path.iterdir()) == [
-        "optimizer-rank0.pt", "optimizer-rank1.pt", "rng-rank1.pt", "rng.pt", "scheduler.pt",
-        "trainable.safetensors", "training_state.json"]
-    for r in range(2):
-        _, opt, sched = _parts(seed=99)
-        resumed = _state(0, seed=0)
-        ckpt.load_checkpoint(path, resumed, optimizer=opt, lr_scheduler=sched, rank=r, world_size=2)
-        # each rank gets back its own optimizer shard and its own RNG
-        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], parts[r][1].state_dict()["state"][0]["exp_avg"])
-        assert torch.equal(resumed.generator.get_state(), states[r].generator.get_state())
-    with pytest.raises(ValueError, match="optimizer shards of 2 processes; resume it with 2 processes"):
-        ckpt.load_checkpoint(path, _state(0), optimizer=_parts()[1], lr_scheduler=_parts()[2], world_size=1)
+        "optimizer-rank0.pt", "optimizer-rank1.pt", "rng-rank1.pt", "rng.pt", "scheduler.pt", "training_state.json"]
+    sharding = json.loads((path / "training_state.json").read_text())["sharding"]
+    assert sharding["world_size"] == 2
+    assert sharding["files"] == {f"optimizer-rank{r}.pt": (path / f"optimizer-rank{r}.pt").stat().st_size
+                                 for r in range(2)}
+    _, opt, sched = _parts()
+    with pytest.raises(ValueError, match="shards of 2 processes; resume it with 2 processes"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched, world_size=1,
+                             shards=PerRankOptimizer(opt, 0, 1))
+    with pytest.raises(ValueError, match="sharded state of a fsdp run with 2 processes.*simpletuner consolidate"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched, world_size=2)
+
+
+def test_an_unsharded_checkpoint_is_refused_by_a_sharded_run(tmp_path):
+    model, opt, sched = _parts()
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None)
+    with pytest.raises(ValueError, match="written by a run without sharding"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched, shards=PerRankOptimizer(opt, 0, 1))
 
 
 def test_replicated_optimizer_is_saved_once(tmp_path):
