@@ -9,12 +9,13 @@ import sys
 from simpletuner.training import cli
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simpletuner.train", allow_abbrev=False)
+def main(argv: list[str] | None = None, module: str = "simpletuner.train") -> int:
+    """Run the recipe of ``module`` (this one, or ``simpletuner.cache``) in this process, as one rank."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", allow_abbrev=False)
     cli.add_arguments(parser)
     args, args.config_flags = parser.parse_known_args(argv)
     args.num_processes = 1  # already launched by accelerate when run this way
-    return cli.run(args)
+    return cli.run_recipe(args, module)
 
 
 if __name__ == "__main__":

@@ -307,16 +307,22 @@ def load_pixels(sample: Sample):
     return torch.stack(tensors, dim=1)
 
 
-def load_pixels_at(path: Path, width: int, height: int):
-    """An image file as pixels in [-1, 1], (3, height, width): resized to cover the size, centre-cropped (how a
-    validation reference image is fitted to a validation resolution)."""
+def reference_sample(path: Path, width: int, height: int) -> Sample:
+    """An image file prepared as a validation reference image is fitted to a validation resolution: resized to cover
+    width x height, centre-cropped (with the file's fingerprint, so its cached latents have a key)."""
     with Image.open(path) as im:
         w, h = ImageOps.exif_transpose(im).size
     scale = max(width / w, height / h)
     rw, rh = max(width, math.ceil(w * scale)), max(height, math.ceil(h * scale))
     left, top = (rw - width) // 2, (rh - height) // 2
-    sample = Sample("reference", str(path), "", (width, height), (rw, rh), (left, top, left + width, top + height))
-    return load_pixels(sample)
+    stat = Path(path).stat()
+    return Sample("reference", str(Path(path).resolve()), "", (width, height), (rw, rh),
+                  (left, top, left + width, top + height), file_size=stat.st_size, mtime_ns=stat.st_mtime_ns)
+
+
+def load_pixels_at(path: Path, width: int, height: int):
+    """An image file as pixels in [-1, 1], (3, height, width), prepared as ``reference_sample`` says."""
+    return load_pixels(reference_sample(path, width, height))
 
 
 def load_mask(sample: Sample, latent_size: tuple[int, int]):

@@ -78,11 +78,12 @@ def load_configs(config_path: str, data_backend_config: str | None, overrides: d
     return loaded, backends
 
 
-def launch_command(args) -> list[str]:
-    """``accelerate launch`` of ``python -m simpletuner.train`` with the same arguments, one process per rank."""
+def launch_command(args, module: str = "simpletuner.train") -> list[str]:
+    """``accelerate launch`` of ``python -m <module>`` (the trainer, or ``simpletuner.cache``) with the same
+    arguments, one process per rank."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.num_processes),
            "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "simpletuner.train", "--config", args.config]
+           "-m", module, "--config", args.config]
     if args.data_backend_config:
         cmd += ["--data_backend_config", args.data_backend_config]
     for item in args.set:
@@ -105,30 +106,41 @@ def _has_cuda() -> bool:
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-def check_packages(config) -> None:
-    """Exit 1, before anything is loaded or cached, when an option needs a package that is not installed."""
+def check_packages(config, fields: tuple[str, ...] | None = None) -> None:
+    """Exit 1, before anything is loaded or cached, when an option needs a package that is not installed (only
+    options of ``fields``, by prefix, when given)."""
     from simpletuner.config.requirements import missing_packages
 
-    errors = missing_packages(config.__dict__)
+    errors = [e for e in missing_packages(config.__dict__) if fields is None or e.path.startswith(fields)]
     if errors:
         print("error: missing packages\n" + "\n".join(str(e) for e in errors), file=sys.stderr)
         raise SystemExit(1)
 
 
 def run(args) -> int:
+    return run_recipe(args, "simpletuner.train")
+
+
+def run_recipe(args, module: str) -> int:
+    """Load and check both configs, then run the recipe of ``module`` (``simpletuner.train``, or split training's
+    stage 1 ``simpletuner.cache``) here, or under ``accelerate launch`` with ``--num_processes`` N > 1."""
     overrides = parse_overrides(args.set, getattr(args, "config_flags", None))
     loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
-    check_packages(loaded.config)
+    caching = module == "simpletuner.cache"
+    check_packages(loaded.config, ("text_encoder_",) if caching else None)  # stage 1 loads only the encoders
     if args.num_processes > 1:
-        return subprocess.call(launch_command(args), env=launch_env())
+        return subprocess.call(launch_command(args, module), env=launch_env())
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from simpletuner.config import ConfigError
     from simpletuner.data.discovery import DatasetError
-    from simpletuner.training.trainer import run as run_training
 
+    if caching:
+        from simpletuner.training.split import run_cache as run_module
+    else:
+        from simpletuner.training.trainer import run as run_module
     try:
-        return run_training(loaded.config, backends)
+        return run_module(loaded.config, backends)
     except (ConfigError, DatasetError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
