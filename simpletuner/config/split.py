@@ -11,11 +11,12 @@ import os
 MANIFEST_NAME = "cache_manifest.json"
 
 
-def cache_manifest_path(config, backends, base: str | os.PathLike[str] | None = None) -> str:
-    """``cache_manifest``, else ``cache_manifest.json`` in the text_embeds backend's cache_dir; relative paths are
-    read from ``base`` (default: the working directory), as the trainer reads them. Not resolved through
-    symlinks: the caller checks the path where it opens it."""
-    value = getattr(config, "cache_manifest", None) or os.path.join(backends.text_embeds.cache_dir, MANIFEST_NAME)
+def cache_manifest_path(cache_manifest: str | None, text_cache_dir: str,
+                        base: str | os.PathLike[str] | None = None) -> str:
+    """The ``cache_manifest`` setting, else ``cache_manifest.json`` in the text_embeds backend's ``cache_dir``;
+    relative paths are read from ``base`` (default: the working directory), as the trainer reads them. Not resolved
+    through symlinks: the caller checks the path where it opens it."""
+    value = cache_manifest or os.path.join(text_cache_dir, MANIFEST_NAME)
     path = os.path.expanduser(value)
     if not os.path.isabs(path):
         path = os.path.join(os.fspath(base) if base is not None else os.getcwd(), path)

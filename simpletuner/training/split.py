@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def _settings(config, backends) -> dict:
     return {"datasets": datasets, "text_embeds": {"cache_dir": backends.text_embeds.cache_dir}}
 
 
+def manifest_path(config, backends) -> str:
+    """Where this config's cache manifest lives (``cache_manifest``, or beside the text embeddings)."""
+    return cache_manifest_path(config.cache_manifest, backends.text_embeds.cache_dir)
+
+
 def _model(config) -> dict:
     return {"model_family": config.model_family, "model_flavour": config.model_flavour}
 
@@ -118,7 +124,7 @@ def cache(config, backends, *, reporter: WebhookReporter | None = None) -> Cache
                              references=backends.uses_references)
     refuse_trainable_preprocessing(adapter, "model_family")
     preflight_cache(config, adapter, accelerator.device)
-    manifest_path = cache_manifest_path(config, backends)
+    manifest_path = manifest_path(config, backends)
     started = time.time()
     if main:
         reporter.status("running")
@@ -193,6 +199,7 @@ def _manifest(config, backends, adapter, evaluator, datasets, captions, referenc
               started, world) -> dict:
     """The finished manifest; raises if an entry it lists is not in the cache (it never says more than is there)."""
     encoded_by = {key: o["rank"] for o in gathered for key in o["latents"]}
+    times = Counter(key for o in gathered for key in o["latents"])
     vae_identity, text_identity = adapter.vae_cache_identity(), adapter.text_cache_identity()
     caches = vae_caches_of(backends)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
@@ -253,6 +260,7 @@ def _manifest(config, backends, adapter, evaluator, datasets, captions, referenc
         "validation": {"prompts": prompts, "negative_prompts": negatives, "references": reference_records},
         "eval_samples": eval_samples, "counts": counts,
         "encoded": {"latents_by_rank": {str(o["rank"]): len(o["latents"]) for o in gathered},
+                    "latents_encoded_twice": sorted(key for key, n in times.items() if n > 1),
                     "entries_by_rank": {str(o["rank"]): o["latent_entries"] for o in gathered},
                     "captions_by_rank": {str(o["rank"]): o["captions"] for o in gathered},
                     "vae_forwards_by_rank": {str(o["rank"]): o["vae_forwards"] for o in gathered},
@@ -332,7 +340,7 @@ def load_cache(config, backends, adapter) -> CachedRun:
     difference (encoders, data settings, changed files, missing entries) when the cache was made for something
     else. Sets ``adapter`` to the cached identities."""
     refuse_trainable_preprocessing(adapter, "train_from_cache")
-    path = cache_manifest_path(config, backends)
+    path = manifest_path(config, backends)
     manifest = mf.read_manifest(path)
     where = f"cache_manifest {path}"
     again = "run `simpletuner cache` with this config again (it encodes only what changed)"
