@@ -124,17 +124,17 @@ def cache(config, backends, *, reporter: WebhookReporter | None = None) -> Cache
                              references=backends.uses_references)
     refuse_trainable_preprocessing(adapter, "model_family")
     preflight_cache(config, adapter, accelerator.device)
-    manifest_path = manifest_path(config, backends)
+    path = manifest_path(config, backends)
     started = time.time()
     if main:
         reporter.status("running")
-        log.info("caching with %d process(es); manifest %s", world, manifest_path)
+        log.info("caching with %d process(es); manifest %s", world, path)
 
     training_backends, datasets = discover_datasets(config, backends, adapter)
     no_trackers = Trackers(config.model_copy(update={"report_to": "none"}))
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, trackers=no_trackers)
     if main:  # a stage 2 started before this run finishes (or after it was killed) is told so
-        mf.write_manifest(manifest_path, {"complete": False, "started_at": started, "model": _model(config),
+        mf.write_manifest(path, {"complete": False, "started_at": started, "model": _model(config),
                                           "world_size": world})
     accelerator.wait_for_everyone()
 
@@ -185,14 +185,14 @@ def cache(config, backends, *, reporter: WebhookReporter | None = None) -> Cache
         manifest = _manifest(config, backends, adapter, evaluator, datasets, captions, references, vae_scale_factor,
                              gathered, started, world)
         counts = manifest["counts"]
-        mf.write_manifest(manifest_path, manifest)
+        mf.write_manifest(path, manifest)
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        write_json(Path(config.output_dir) / SUMMARY, {"cache_manifest": manifest_path, "counts": counts,
+        write_json(Path(config.output_dir) / SUMMARY, {"cache_manifest": path, "counts": counts,
                                                       "encoded": manifest["encoded"]})
-        log.info("cache manifest %s: %s", manifest_path, ", ".join(f"{v} {k}" for k, v in counts.items()))
+        log.info("cache manifest %s: %s", path, ", ".join(f"{v} {k}" for k, v in counts.items()))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return CacheResult(manifest_path, counts, latents, text, adapter.vae_forwards, adapter.text_encoder_forwards)
+    return CacheResult(path, counts, latents, text, adapter.vae_forwards, adapter.text_encoder_forwards)
 
 
 def _manifest(config, backends, adapter, evaluator, datasets, captions, references, vae_scale_factor, gathered,
