@@ -121,3 +121,25 @@ def test_a_database_from_before_split_jobs_loads(db_url, settings_factory):
         cache = c.post("/api/jobs", json=job_body(kind="cache")).json()
         train = c.post("/api/jobs", json=job_body(depends_on=cache["id"], train={"train_from_cache": True}))
         assert train.status_code == 201 and train.json()["depends_on"] == cache["id"]
+
+
+def test_jobs_submit_queues_a_pair_from_the_command_line(live_server, capsys):
+    from simpletuner.cli import _build_parser
+    from simpletuner.server import client as jobs_cli
+    from tests.server.helpers import train_config
+
+    srv = live_server(max_concurrent=2)
+    srv.http.post("/api/configs", json={"name": "tiny", "train_config": train_config(),
+                                        "data_backends": data_backends()})
+
+    def jobs(*argv):
+        return jobs_cli.run(_build_parser("jobs").parse_args(["jobs", "--server", srv.url, *argv]))
+
+    assert jobs("submit", "--config-name", "tiny", "--kind", "cache", "--json") == 0
+    cache = __import__("json").loads(capsys.readouterr().out)
+    assert jobs("submit", "--config-name", "tiny", "--depends-on", str(cache["id"]), "--set", "train_from_cache=true",
+                "--wait") == 0
+    assert "succeeded" in capsys.readouterr().out
+    done = srv.http.get("/api/jobs").json()["jobs"]
+    assert {(j["kind"], j["depends_on"], j["status"]) for j in done} == {
+        ("cache", None, "succeeded"), ("train", cache["id"], "succeeded")}
