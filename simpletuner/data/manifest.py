@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from simpletuner.config import paths
+from simpletuner.config.files import write_json
 from simpletuner.data.discovery import DatasetError, Sample
 
 FORMAT = 1
@@ -71,16 +71,7 @@ def write_manifest(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     paths.guard_open("cache_manifest", path.parent)  # a server's job never writes outside its roots
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"format": FORMAT, **data, "written_at": time.time()}, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json(path, {"format": FORMAT, **data, "written_at": time.time()}, indent=1)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

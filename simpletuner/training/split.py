@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
 from simpletuner.config import ConfigError
+from simpletuner.config.files import write_json
 from simpletuner.config.split import cache_manifest_path
 from simpletuner.data import manifest as mf
 from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
@@ -42,9 +42,8 @@ from simpletuner.models.weights import WeightLoadError, check_weight_sources
 from simpletuner.training import failpoints
 from simpletuner.training.evaluator import Evaluator
 from simpletuner.training.paths import check_run_paths
-from simpletuner.training.checkpoint import write_json
 from simpletuner.training.trainer import (TrainData, cache_sets, discover_datasets, drop_unreadable, training_captions,
-                                          vae_caches_of, weight_dtype_for)
+                                          run_reported, vae_caches_of, weight_dtype_for)
 from simpletuner.training.webhooks import WebhookReporter
 
 log = logging.getLogger("simpletuner.split")
@@ -270,18 +269,9 @@ def _manifest(config, backends, adapter, evaluator, datasets, captions, referenc
 
 def run_cache(config, backends) -> int:
     """Stage 1 with its outcome reported to the webhooks; returns a process exit code."""
-    reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
-    try:
-        result = cache(config, backends, reporter=reporter)
-    except Exception as exc:
-        reporter.error(str(exc), traceback.format_exc())
-        reporter.status("failed", reason=str(exc))
-        reporter.close()
-        raise
-    reporter.status("succeeded", cache_manifest=result.manifest_path, output_dir=config.output_dir,
-                    **{f"cached_{k}": v for k, v in result.counts.items()})
-    reporter.close()
-    return 0
+    return run_reported(cache, config, backends, lambda result: dict(
+        cache_manifest=result.manifest_path, output_dir=config.output_dir,
+        **{f"cached_{k}": v for k, v in result.counts.items()}))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -671,9 +671,17 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
 
 def run(config, backends) -> int:
     """Train and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
+    return run_reported(train, config, backends, lambda result: dict(
+        final_loss=result.final_loss, lora_path=result.lora_path, model_path=result.model_path,
+        output_dir=result.output_dir, steps=result.global_step))
+
+
+def run_reported(recipe, config, backends, outcome) -> int:
+    """``recipe(config, backends, reporter=...)`` with its end reported to the webhooks: succeeded (with
+    ``outcome(result)``), failed (with the error and traceback, then re-raised) or cancelled by a signal (143)."""
     reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
     try:
-        result = train(config, backends, reporter=reporter)
+        result = recipe(config, backends, reporter=reporter)
     except TrainingInterrupted as exc:
         log.warning("%s", exc)
         reporter.status("cancelled", reason=str(exc))
@@ -684,8 +692,7 @@ def run(config, backends) -> int:
         reporter.status("failed", reason=str(exc))
         reporter.close()
         raise
-    reporter.status("succeeded", final_loss=result.final_loss, lora_path=result.lora_path,
-                    model_path=result.model_path, output_dir=result.output_dir, steps=result.global_step)
+    reporter.status("succeeded", **outcome(result))
     reporter.close()
     return 0
 

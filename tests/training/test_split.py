@@ -10,31 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.helpers import CpuAccelerator, RecordingReporter, flux_config
+from tests.helpers import CpuAccelerator, RecordingReporter, sample_run
 
 
 def _setup(tmp: Path, **overrides):
-    from simpletuner.config import load_data_backends
-
-    dataset = tmp / "sample"
-    if not dataset.exists():
-        shutil.copytree(REPO / "datasets" / "sample", dataset)
-        (tmp / "eval").mkdir()
-        for name in ("00_orange_circle", "01_red_square"):
-            for ext in (".png", ".txt"):
-                shutil.copy(dataset / f"{name}{ext}", tmp / "eval" / f"{name}{ext}")
-    values = {"output_dir": str(tmp / "output"), "validation_resolution": "32", "validation_num_inference_steps": 2,
-              "validation_steps": 2, "validation_prompt": "a red circle", "validation_guidance_real": 2.0,
+    """A run with validation (a negative prompt too), eval loss and caption dropout; the sample dataset repeated."""
+    values = {"validation_steps": 2, "validation_prompt": "a red circle", "validation_guidance_real": 2.0,
               "validation_negative_prompt": "blurry", "caption_dropout_probability": 0.1, **overrides}
-    config = flux_config(**values)
-    entries = [{"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile", "resolution": 32,
-                "resolution_type": "pixel", "repeats": 2, "cache_dir_vae": str(tmp / "cache/vae")},
-               {"id": "held-out", "dataset_type": "eval", "instance_data_dir": str(tmp / "eval"),
-                "caption_strategy": "textfile", "resolution": 32, "resolution_type": "pixel",
-                "cache_dir_vae": str(tmp / "cache/vae-eval")},
-               {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp / "cache/text")}]
-    return config, load_data_backends(entries, config=config)
+    return sample_run(tmp, dataset={"repeats": 2}, **values)
 
 
 @pytest.fixture(scope="module")
