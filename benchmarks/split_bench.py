@@ -5,15 +5,17 @@
 
 Writes a random-initialised Flux in the diffusers layout whose parts keep Flux.1's proportions, scaled down by one
 factor: transformer 11.9B, T5-XXL 4.76B, CLIP-L 123M, VAE 84M parameters (counted from diffusers'/transformers'
-own classes; the printed table shows what each came out as). Then three real ``simpletuner`` commands on the
+own classes; the printed table shows what each came out as). ``--proportions wan-1.3b`` gives the same Flux-shaped
+parts Wan 2.1 T2V 1.3B's proportions instead (a 1.42B transformer beside a 5.68B UMT5), where the text encoder
+outweighs the denoiser. Then three real ``simpletuner`` commands on the
 shipped sample images, each a fresh process, one after the other:
 
 1. one stage: ``simpletuner train`` with cold caches (VAE + text encoders cache, are unloaded, then the LoRA trains)
 2. stage 1: ``simpletuner cache`` (only the VAE and the text encoders)
 3. stage 2: ``simpletuner train`` with ``train_from_cache`` (only the transformer)
 
-and prints each one's peak resident memory (the process's ru_maxrss, read with wait4) and wall time, and the
-ratios: stage 2's peak over the one-stage run's, and stage 1 + stage 2's wall time over the one-stage run's. The
+and prints each one's peak resident memory (the process's ru_maxrss, read with wait4) and wall time, the peak of a
+process that only imports the trainer (what every run holds before it loads a weight), and the ratios: stage 2's peak over the one-stage run's, and stage 1 + stage 2's wall time over the one-stage run's. The
 step count, image size and T5 length are small so it runs on a CPU; they do not change which weights are resident.
 """
 
@@ -31,8 +33,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Flux.1 [dev]'s parameter counts (diffusers/transformers classes)
-FLUX = {"transformer": 11.90e9, "text_encoder_2": 4.76e9, "text_encoder": 123e6, "vae": 83.8e6}
+# parameter counts the scaled parts aim at: Flux.1 [dev]'s own (diffusers/transformers classes), and Wan 2.1 T2V
+# 1.3B's (a 1.42B transformer beside a 5.68B UMT5 encoder and a 127M VAE; no CLIP) given to Flux-shaped parts
+PROPORTIONS = {
+    "flux": {"transformer": 11.90e9, "text_encoder_2": 4.76e9, "text_encoder": 123e6, "vae": 83.8e6},
+    "wan-1.3b": {"transformer": 1.42e9, "text_encoder_2": 5.68e9, "text_encoder": 1e6, "vae": 127e6},
+}
 
 
 def count(build) -> int:
@@ -58,8 +64,9 @@ def closest(target: float, candidates, build) -> tuple[object, int]:
     return min(sized, key=lambda item: abs(item[1] - target))
 
 
-def write_checkpoint(folder: Path, scale: float) -> dict[str, tuple[int, float]]:
-    """The scaled Flux at ``folder``; returns {component: (parameters, its share of Flux's)}."""
+def write_checkpoint(folder: Path, scale: float, target: dict[str, float]) -> dict[str, tuple[int, float]]:
+    """The scaled Flux at ``folder`` (``target``: each part's parameter count before scaling); returns
+    {component: (parameters, its share of the target)}."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -94,10 +101,10 @@ def write_checkpoint(folder: Path, scale: float) -> dict[str, tuple[int, float]]
                              scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
                              use_post_quant_conv=False)
 
-    t5_width, t5_params = closest(FLUX["text_encoder_2"] * scale, range(64, 4097, 32), t5)
-    clip_width, clip_params = closest(FLUX["text_encoder"] * scale, range(32, 769, 32), clip)
-    heads, transformer_params = closest(FLUX["transformer"] * scale, range(1, 49), transformer)
-    vae_width, vae_params = closest(FLUX["vae"] * scale, range(8, 129, 8), vae)
+    t5_width, t5_params = closest(target["text_encoder_2"] * scale, range(64, 4097, 32), t5)
+    clip_width, clip_params = closest(target["text_encoder"] * scale, range(32, 769, 32), clip)
+    heads, transformer_params = closest(target["transformer"] * scale, range(1, 49), transformer)
+    vae_width, vae_params = closest(target["vae"] * scale, range(8, 129, 8), vae)
     torch.manual_seed(0)
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
@@ -107,7 +114,7 @@ def write_checkpoint(folder: Path, scale: float) -> dict[str, tuple[int, float]]
     pipe.save_pretrained(folder, safe_serialization=True)
     counts = {"transformer": transformer_params, "text_encoder_2": t5_params, "text_encoder": clip_params,
               "vae": vae_params}
-    return {name: (n, n / FLUX[name]) for name, n in counts.items()}
+    return {name: (n, n / target[name]) for name, n in counts.items()}
 
 
 def write_run(tmp: Path, name: str, model: Path, args) -> Path:
@@ -128,12 +135,17 @@ def write_run(tmp: Path, name: str, model: Path, args) -> Path:
     return folder / "config.json"
 
 
+# what every run holds before it loads a weight: the interpreter, torch, diffusers, transformers, the trainer
+BASELINE = "import simpletuner.training.trainer, simpletuner.training.split, simpletuner.models.flux"
+
+
 def measure(*args: str, env: dict, log: Path) -> tuple[float, float]:
-    """(peak RSS in MiB, wall seconds) of ``simpletuner <args>`` in a fresh process."""
+    """(peak RSS in MiB, wall seconds) of ``simpletuner <args>`` (or, with ``-c``, of that Python code) in a fresh
+    process."""
     start = time.perf_counter()
+    command = [sys.executable, *args] if args[0] == "-c" else [sys.executable, "-m", "simpletuner.cli", *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "simpletuner.cli", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
@@ -144,7 +156,9 @@ def measure(*args: str, env: dict, log: Path) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1 / 80, help="fraction of Flux.1's parameter counts")
+    parser.add_argument("--proportions", choices=sorted(PROPORTIONS), default="flux",
+                        help="whose parameter counts the parts keep (default: Flux.1's)")
+    parser.add_argument("--scale", type=float, default=1 / 80, help="fraction of those parameter counts")
     parser.add_argument("--steps", type=int, default=2, help="training steps of each run")
     parser.add_argument("--resolution", type=int, default=128, help="training image size in pixels")
     parser.add_argument("--t5-length", type=int, default=128, help="T5 tokens per prompt (Flux dev: 512)")
@@ -156,11 +170,12 @@ def main() -> None:
     try:
         shutil.copytree(REPO / "datasets" / "sample", tmp / "sample")
         model = tmp / "flux-scaled"
-        sizes = write_checkpoint(model, args.scale)
+        sizes = write_checkpoint(model, args.scale, PROPORTIONS[args.proportions])
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
                "TRANSFORMERS_VERBOSITY": "error"}
         one = write_run(tmp, "one-stage", model, args)
         split = write_run(tmp, "split", model, args)
+        base_rss, _ = measure("-c", BASELINE, env=env, log=tmp / "baseline.log")
         one_rss, one_wall = measure("train", "--config", str(one), env=env, log=tmp / "one-stage.log")
         s1_rss, s1_wall = measure("cache", "--config", str(split), env=env, log=tmp / "stage1.log")
         s2_rss, s2_wall = measure("train", "--config", str(split), "--train_from_cache", env=env,
@@ -171,9 +186,9 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"Flux.1 at scale {args.scale:g} ({args.steps} steps, {args.resolution}px, T5 length {args.t5_length}, "
-          f"{args.threads} threads)")
-    print("| component | parameters | of Flux.1's |")
+    print(f"{args.proportions} proportions at scale {args.scale:g} ({args.steps} steps, {args.resolution}px, "
+          f"T5 length {args.t5_length}, {args.threads} threads)")
+    print("| component | parameters | of the target's |")
     print("|---|---:|---:|")
     for name, (n, share) in sizes.items():
         print(f"| {name} | {n / 1e6:.1f}M | {share:.4f} |")
@@ -184,7 +199,10 @@ def main() -> None:
                             ("stage 2 (train_from_cache)", s2_rss, s2_wall)):
         print(f"| {name} | {rss:.0f} | {wall:.1f} |")
     print()
+    print(f"| (imports only, no weights) | {base_rss:.0f} | |")
+    print()
     print(f"peak RSS, stage 2 / one stage:               {s2_rss / one_rss:.2f}x  (goal <= 0.5x)")
+    print(f"  above the imports' {base_rss:.0f} MiB:             {(s2_rss - base_rss) / (one_rss - base_rss):.2f}x")
     print(f"peak RSS, stage 1 / one stage:               {s1_rss / one_rss:.2f}x")
     print(f"wall time, (stage 1 + stage 2) / one stage:  {(s1_wall + s2_wall) / one_wall:.2f}x")
     print(f"same losses in both:                         {one_losses == two_losses}")

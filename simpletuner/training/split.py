@@ -350,6 +350,11 @@ def load_cache(config, backends, adapter) -> CachedRun:
     if config.caption_dropout_probability and "" not in manifest["captions"]:
         problems.append("caption_dropout_probability: the empty caption was not cached (caption dropout was off "
                         "when caching)")
+    cached_eval = {r["dataset_id"] for r in manifest["eval_samples"]}
+    if config.eval_steps_interval or config.validation_steps:  # the run measures eval loss on its eval datasets
+        problems += [f"datasets[{b.id}]: its eval samples were not cached (eval loss was off when caching: "
+                     "eval_steps_interval and validation_steps were empty)"
+                     for b in backends.eval_datasets if b.id not in cached_eval]
     if problems:
         raise mf.CacheManifestError(f"{where} does not match this config; {again}:\n  " + "\n  ".join(problems))
 

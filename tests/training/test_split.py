@@ -158,3 +158,18 @@ def test_sample_records_round_trip_with_their_pairs():
     sample = Sample("pics", "/d/a.png", "a cat", (32, 32), (40, 32), (4, 0, 36, 32), file_size=1, mtime_ns=2,
                     frame_indices=(0, 1, 2), original_size=(50, 40), mask=mask)
     assert sample_from_record(json.loads(json.dumps(sample_record(sample)))) == sample
+
+
+def test_stage2_refuses_eval_loss_on_eval_samples_stage1_did_not_cache(stage1, monkeypatch, tmp_path):
+    from simpletuner.data.manifest import CacheManifestError, write_manifest
+    from simpletuner.models.flux import FluxAdapter
+    from simpletuner.training.split import load_cache
+
+    manifest = {k: v for k, v in stage1["manifest"].items() if k not in ("format", "written_at")}
+    manifest["eval_samples"] = []  # as stage 1 writes it when eval loss is off
+    path = tmp_path / "no-eval.json"
+    write_manifest(path, manifest)
+    monkeypatch.setenv("SIMPLETUNER_TINY_DIR", str(stage1["tmp"] / "tiny"))
+    config, backends = _setup(stage1["tmp"], train_from_cache=True, cache_manifest=str(path))
+    with pytest.raises(CacheManifestError, match=r"datasets\[held-out\]: its eval samples were not cached"):
+        load_cache(config, backends, FluxAdapter(config))
