@@ -129,12 +129,12 @@ def cache(config, backends, *, reporter: WebhookReporter | None = None) -> Cache
         reporter.status("running")
         log.info("caching with %d process(es); manifest %s", world, path)
 
-    training_backends, datasets = discover_datasets(config, backends, adapter)
+    _, datasets = discover_datasets(config, backends, adapter)
     no_trackers = Trackers(config.model_copy(update={"report_to": "none"}))
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, trackers=no_trackers)
     if main:  # a stage 2 started before this run finishes (or after it was killed) is told so
         mf.write_manifest(path, {"complete": False, "started_at": started, "model": _model(config),
-                                          "world_size": world})
+                                 "world_size": world})
     accelerator.wait_for_everyone()
 
     vae_caches = vae_caches_of(backends)
