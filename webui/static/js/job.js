@@ -71,6 +71,10 @@ function renderJob() {
     document.getElementById("stat-eta").textContent = "done";
   }
   const results = job.results || {};
+  if (job.kind === "cache" && job.status !== "queued") { // stage 1 trains nothing: say what it cached
+    document.getElementById("progress-label").textContent = job.status === "succeeded"
+      ? `cached ${results.cached_samples ?? "?"} samples and ${results.cached_captions ?? "?"} captions` : `caching (${job.status})`;
+  }
   const facts = [
     ["Status", job.status + (job.reason ? ` (${job.reason})` : "")], ["Attempt", String(job.attempt)],
     ["Priority", String(job.priority)], ["Processes", String(job.num_processes)], ["Devices", job.devices || "CPU"],
