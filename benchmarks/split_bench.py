@@ -14,7 +14,8 @@ shipped sample images, each a fresh process, one after the other:
 2. stage 1: ``simpletuner cache`` (only the VAE and the text encoders)
 3. stage 2: ``simpletuner train`` with ``train_from_cache`` (only the transformer)
 
-and prints each one's peak resident memory (the process's ru_maxrss, read with wait4) and wall time, the peak of a
+and prints each one's peak resident memory (the process's ru_maxrss, read with wait4; this script never imports
+torch itself, since a child's ru_maxrss starts from its parent's size at the fork) and wall time, the peak of a
 process that only imports the trainer (what every run holds before it loads a weight), and the ratios: stage 2's peak over the one-stage run's, and stage 1 + stage 2's wall time over the one-stage run's. The
 step count, image size and T5 length are small so it runs on a CPU; they do not change which weights are resident.
 """
@@ -164,15 +165,24 @@ def main() -> None:
     parser.add_argument("--t5-length", type=int, default=128, help="T5 tokens per prompt (Flux dev: 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
+    parser.add_argument("--write-checkpoint", type=Path, help=argparse.SUPPRESS)  # the child that writes it
     args = parser.parse_args()
+    if args.write_checkpoint:
+        sizes = write_checkpoint(args.write_checkpoint, args.scale, PROPORTIONS[args.proportions])
+        print(json.dumps(sizes))
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="split-bench-"))
     try:
         shutil.copytree(REPO / "datasets" / "sample", tmp / "sample")
         model = tmp / "flux-scaled"
-        sizes = write_checkpoint(model, args.scale, PROPORTIONS[args.proportions])
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
                "TRANSFORMERS_VERBOSITY": "error"}
+        # in a child: this process stays free of torch, since a child's ru_maxrss starts at its parent's size
+        written = subprocess.run([sys.executable, __file__, "--write-checkpoint", str(model), "--scale",
+                                  str(args.scale), "--proportions", args.proportions], env=env, check=True,
+                                 capture_output=True, text=True)
+        sizes = json.loads(written.stdout.strip().splitlines()[-1])
         one = write_run(tmp, "one-stage", model, args)
         split = write_run(tmp, "split", model, args)
         base_rss, _ = measure("-c", BASELINE, env=env, log=tmp / "baseline.log")
