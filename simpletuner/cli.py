@@ -13,6 +13,8 @@ import sys
 # subcommand -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("simpletuner.training.cli", "train a model from config.json + multidatabackend.json"),
+    "cache": ("simpletuner.training.cache_cli", "split training, stage 1: encode the data and prompts once and "
+                                                "write the cache manifest that train_from_cache trains from"),
     "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
     "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
     "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),
@@ -25,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 # commands that take any config key as a flag, as SimpleTuner's command line does: `--lora_rank=4 --seed 42`
-CONFIG_FLAG_COMMANDS = ("train", "validate")
+CONFIG_FLAG_COMMANDS = ("train", "cache", "validate")
 
 
 class _LazyParser(argparse.ArgumentParser):
@@ -49,7 +51,7 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         extra = {"epilog": families_epilog(), "formatter_class": argparse.RawDescriptionHelpFormatter} \
-            if name in ("train", "validate", "configure") else {}
+            if name in ("train", "cache", "validate", "configure") else {}
         if name in CONFIG_FLAG_COMMANDS:
             # `--lora_rank=4` must never be taken as an abbreviation of one of the command's own options
             extra["allow_abbrev"] = False

@@ -3,7 +3,6 @@ Flux adapter and transformer, and a run setup with an eval dataset."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -75,28 +74,6 @@ def tiny_transformer(tiny_adapter):
 @pytest.fixture
 def make_setup(tmp_path):
     """(config, backends) for a run in tmp_path with an eval dataset of two sample images."""
+    from tests.helpers import sample_run
 
-    def make(*, eval_dataset: bool = True, **overrides):
-        from simpletuner.config import load_data_backends
-
-        dataset = tmp_path / "sample"
-        if not dataset.exists():
-            shutil.copytree(REPO / "datasets" / "sample", dataset)
-            (tmp_path / "eval").mkdir()
-            for name in ("00_orange_circle", "01_red_square"):
-                for ext in (".png", ".txt"):
-                    shutil.copy(dataset / f"{name}{ext}", tmp_path / "eval" / f"{name}{ext}")
-        values = {"output_dir": str(tmp_path / "output"), "validation_resolution": "32",
-                  "validation_num_inference_steps": 2, **overrides}
-        config = flux_config(**values)
-        backends = [{"id": "sample", "instance_data_dir": str(dataset), "caption_strategy": "textfile",
-                     "resolution": 32, "resolution_type": "pixel", "cache_dir_vae": str(tmp_path / "cache/vae")},
-                    {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp_path / "cache/text")}]
-        if eval_dataset:
-            backends.insert(1, {"id": "held-out", "dataset_type": "eval", "instance_data_dir": str(tmp_path / "eval"),
-                                "caption_strategy": "textfile", "resolution": 32, "resolution_type": "pixel",
-                                "cache_dir_vae": str(tmp_path / "cache/vae-eval")})
-        (tmp_path / "multidatabackend.json").write_text(json.dumps(backends))
-        return config, load_data_backends(backends, config=config)
-
-    return make
+    return lambda **overrides: sample_run(tmp_path, **overrides)

@@ -37,6 +37,38 @@ def left_unchanged(adapter=None, model=None, what: str = "a shared fixture"):
         assert not changed, f"a test changed {what}'s weights (later tests share them): {changed[:5]}"
 
 
+def sample_run(tmp: Path, *, eval_dataset: bool = True, dataset: dict | None = None, **overrides):
+    """(config, backends) for a tiny-Flux run in ``tmp``: a copy of the sample dataset at 32 px (its entry updated
+    with ``dataset``), an eval dataset of two of its images, caches under ``tmp/cache``; ``overrides`` go to the
+    config."""
+    import json
+    import shutil
+
+    from simpletuner.config import load_data_backends
+
+    repo = Path(__file__).resolve().parents[1]
+    images = tmp / "sample"
+    if not images.exists():
+        shutil.copytree(repo / "datasets" / "sample", images)
+        (tmp / "eval").mkdir()
+        for name in ("00_orange_circle", "01_red_square"):
+            for ext in (".png", ".txt"):
+                shutil.copy(images / f"{name}{ext}", tmp / "eval" / f"{name}{ext}")
+    values = {"output_dir": str(tmp / "output"), "validation_resolution": "32",
+              "validation_num_inference_steps": 2, **overrides}
+    config = flux_config(**values)
+    backends = [{"id": "sample", "instance_data_dir": str(images), "caption_strategy": "textfile",
+                 "resolution": 32, "resolution_type": "pixel", "cache_dir_vae": str(tmp / "cache/vae"),
+                 **(dataset or {})},
+                {"id": "text", "dataset_type": "text_embeds", "cache_dir": str(tmp / "cache/text")}]
+    if eval_dataset:
+        backends.insert(1, {"id": "held-out", "dataset_type": "eval", "instance_data_dir": str(tmp / "eval"),
+                            "caption_strategy": "textfile", "resolution": 32, "resolution_type": "pixel",
+                            "cache_dir_vae": str(tmp / "cache/vae-eval")})
+    (tmp / "multidatabackend.json").write_text(json.dumps(backends))
+    return config, load_data_backends(backends, config=config)
+
+
 def namespace(**kwargs):
     return types.SimpleNamespace(**kwargs)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 
 
@@ -35,3 +36,19 @@ def read_json(path: str | os.PathLike[str]) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def write_json(path: str | os.PathLike[str], data, indent: int | None = 2) -> None:
+    """Write JSON atomically (temp file, fsync, rename): a reader sees the old file or the new one, never half of
+    one, even after a crash."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=indent)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -79,8 +79,10 @@ def _is_host(value: str) -> bool:
                    for label in labels)
 
 
-def accelerate_command(spec: LaunchSpec, train_args: list[str], python: str | None = None) -> list[str]:
-    """``python -m accelerate.commands.launch ... -m simpletuner.train <train_args>`` for this machine.
+def accelerate_command(spec: LaunchSpec, train_args: list[str], python: str | None = None,
+                       module: str = TRAIN_MODULE) -> list[str]:
+    """``python -m accelerate.commands.launch ... -m <module> <train_args>`` for this machine (``module``: the
+    trainer, or split training's stage 1 ``simpletuner.cache``).
 
     ValueError naming the field when the spec cannot launch."""
     bad = problems(spec)
@@ -98,7 +100,7 @@ def accelerate_command(spec: LaunchSpec, train_args: list[str], python: str | No
                 "--main_process_port", str(spec.main_process_port), "--rdzv_backend", "static"]
     elif spec.main_process_port is not None:
         cmd += ["--main_process_port", str(spec.main_process_port)]
-    return cmd + ["-m", TRAIN_MODULE, *train_args]
+    return cmd + ["-m", module, *train_args]
 
 
 def launch_env(spec: LaunchSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -474,6 +474,20 @@ class TrainConfig(StrictModel):
         0.0, "data", "chance of training a sample with an empty caption", ge=0, le=1
     )
     vae_batch_size: Int = _field(4, "data", "images per VAE encode while caching latents", ge=1, le=MAX_BATCH)
+    train_from_cache: bool = _field(
+        False,
+        "data",
+        "split training, stage 2: train from the cache manifest that `simpletuner cache` (stage 1) wrote, never "
+        "loading the text encoders or the VAE's encoder; a manifest that does not match this config is an error. "
+        "DiffSynth-Studio: --task sft:train after sft:data_process",
+    )
+    cache_manifest: Optional[str] = _field(
+        None,
+        "data",
+        "the cache manifest `simpletuner cache` writes and train_from_cache reads; empty = cache_manifest.json in "
+        "the text_embeds backend's cache_dir",
+        extra={"path": "file"},
+    )
 
     # LoRA
     lora_rank: Int = _field(16, "lora", "LoRA rank", ge=1)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,25 +99,35 @@ class TensorCache:
         _atomic_save(tensors, self.path(key))
 
 
+def shard_of(items: list, shard: tuple[int, int] | None) -> list:
+    """This rank's share of ``items`` (rank, world size): every ``world``-th item from ``rank`` on. ``items`` must be
+    the same list in the same order on every rank (discovery is deterministic), cached or not, so the shares never
+    overlap or miss one, whatever another rank has written meanwhile."""
+    if shard is None:
+        return items
+    rank, world = shard
+    return items[rank::world]
+
+
 def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True,
-                      unreadable: list[tuple[Sample, str]] | None = None, *, references: bool = False) -> int:
+                      unreadable: list[tuple[Sample, str]] | None = None, *, references: bool = False,
+                      shard: tuple[int, int] | None = None, on_saved: Callable[[str], None] | None = None) -> int:
     """Encode every sample whose latent is not cached yet; returns how many were encoded.
 
     A file that cannot be decoded is appended to ``unreadable`` as (sample, reason) and left out (with
     ``unreadable=None`` the error is raised instead). The adapter's ``latent_cache_entries`` gives what is stored
     per sample (the latents, plus any conditioning the family caches beside them); with ``references`` the samples
     are reference images, stored as ``{"latents": adapter.encode_references(...)}`` under the adapter's
-    ``reference_cache_identity``."""
+    ``reference_cache_identity``. With ``shard`` (rank, world size) only this rank's share of the distinct entries
+    is encoded (see ``shard_of``); ``on_saved(key)`` is called after each entry is written."""
     identity = adapter.reference_cache_identity() if references else adapter.vae_cache_identity()
-    todo: list[tuple[TensorCache, Sample, str]] = []
+    wanted: dict[tuple[str, str], tuple[TensorCache, Sample, str]] = {}
     for folder, samples in samples_by_cache.items():
         cache = TensorCache(folder)
-        seen = set()
         for s in samples:
             key = latent_key(s, identity)
-            if key not in seen and not cache.has(key):
-                seen.add(key)
-                todo.append((cache, s, key))
+            wanted.setdefault((folder, key), (cache, s, key))
+    todo = [item for item in shard_of(list(wanted.values()), shard) if not item[0].has(item[2])]
     if not todo:
         return 0
     # samples of one batch must share a bucket (size, and frame count for video)
@@ -146,22 +157,24 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
                    else adapter.latent_cache_entries(batch))
         for (cache, _, key), entry in zip(group, entries):
             cache.save(key, entry)
+            if on_saved is not None:
+                on_saved(key)
         encoded += len(group)
         bar.update(len(group))
     bar.close()
     return encoded
 
 
-def fill_mask_cache(samples_by_cache: dict[str, list[Sample]], vae_scale_factor: int, show_progress=True) -> int:
+def fill_mask_cache(samples_by_cache: dict[str, list[Sample]], vae_scale_factor: int, show_progress=True, *,
+                    shard: tuple[int, int] | None = None) -> int:
     """Store every mask sample's latent-resolution weights that are not cached yet (no model needed); returns how
-    many were written."""
-    todo = {}
+    many were written (with ``shard``, of this rank's share)."""
+    wanted = {}
     for folder, samples in samples_by_cache.items():
         cache = TensorCache(folder)
         for s in samples:
-            key = mask_key(s, vae_scale_factor)
-            if key not in todo and not cache.has(key):
-                todo[key] = (cache, s)
+            wanted.setdefault(mask_key(s, vae_scale_factor), (cache, s))
+    todo = {key: wanted[key] for key in shard_of(list(wanted), shard) if not wanted[key][0].has(key)}
     for key, (cache, s) in tqdm(todo.items(), desc="Caching loss masks", disable=not show_progress or not todo):
         w, h = s.target_size
         cache.save(key, {"mask": load_mask(s, (h // vae_scale_factor, w // vae_scale_factor))})
@@ -174,19 +187,22 @@ def negative_identity(text_identity: str) -> str:
 
 
 def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True, *,
-                    negative: bool = False, references: list[Sample] | None = None) -> int:
+                    negative: bool = False, references: list[Sample] | None = None,
+                    shard: tuple[int, int] | None = None) -> int:
     """Encode every caption whose embedding is not cached yet (as negative prompts with ``negative``); returns how
-    many were encoded. ``references`` (one per caption) are the reference images the captions are encoded with, for
-    a family whose prompt embedding sees the image it edits (``adapter.prompt_takes_reference``)."""
+    many were encoded (with ``shard``, of this rank's share of the distinct captions). ``references`` (one per
+    caption) are the reference images the captions are encoded with, for a family whose prompt embedding sees the
+    image it edits (``adapter.prompt_takes_reference``)."""
     identity = adapter.text_cache_identity()
     if negative:
         identity = negative_identity(identity)
     pairs = list(zip(captions, references)) if references is not None else [(c, None) for c in captions]
-    todo: dict[str, tuple[str, Sample | None]] = {}
+    wanted: dict[str, tuple[str, Sample | None]] = {}
     for caption, reference in pairs:
-        key = text_key(caption, identity, reference)
-        if key not in todo and not cache.has(key):
-            todo[key] = (caption, reference)
+        wanted.setdefault(text_key(caption, identity, reference), (caption, reference))
+    # the same order on every rank (by caption, then key), sharded before the cached ones are left out
+    ordered = sorted(wanted.items(), key=lambda item: (item[1][0], item[0]))
+    todo = dict(item for item in shard_of(ordered, shard) if not cache.has(item[0]))
     if not todo:
         return 0
     items = sorted(todo.items(), key=lambda item: (item[1][0], item[0]))

@@ -309,15 +309,17 @@ def load_pixels(sample: Sample):
 
 def reference_sample(path: Path, width: int, height: int) -> Sample:
     """An image file fitted to width x height as a Sample: resized to cover the size, centre-cropped (how a
-    validation reference image is fitted to a validation resolution); its size and mtime make its cache keys."""
+    validation reference image is fitted to a validation resolution); its resolved path, size and mtime make its
+    cache keys."""
     with Image.open(path) as im:
         w, h = ImageOps.exif_transpose(im).size
     scale = max(width / w, height / h)
     rw, rh = max(width, math.ceil(w * scale)), max(height, math.ceil(h * scale))
     left, top = (rw - width) // 2, (rh - height) // 2
     stat = Path(path).stat()
-    return Sample("reference", str(path), "", (width, height), (rw, rh), (left, top, left + width, top + height),
-                  file_size=stat.st_size, mtime_ns=stat.st_mtime_ns, original_size=(w, h))
+    return Sample("reference", str(Path(path).resolve()), "", (width, height), (rw, rh),
+                  (left, top, left + width, top + height), file_size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+                  original_size=(w, h))
 
 
 def load_pixels_at(path: Path, width: int, height: int):

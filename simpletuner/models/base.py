@@ -55,6 +55,15 @@ def _stack_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in tensors])
 
 
+class EncoderNotLoaded(ValueError):
+    """Split training's stage 2 was asked to encode something stage 1 did not cache."""
+
+
+def _refuse_encode(*args, **kwargs):
+    raise EncoderNotLoaded("train_from_cache: the VAE only decodes in split training's stage 2, and an image this "
+                           "run needs is not in the cache; run `simpletuner cache` again")
+
+
 class _AdapterMeta(ABCMeta):
     """Refuses, at import, a family class (one that sets ``family``) that leaves part of the contract out."""
 
@@ -126,6 +135,7 @@ class ModelAdapter(metaclass=_AdapterMeta):
         self.vae_forwards = 0
         self.text_encoder_forwards = 0
         self._offload_hooks: list[Any] = []  # enable_model_cpu_offload: accelerate hooks of the encoders
+        self._cached_identities: tuple[str, str] | None = None  # (vae, text) in split training's stage 2
 
     # ---- where the weights live -------------------------------------------------------------------------
     def model_path(self) -> str:
@@ -212,9 +222,12 @@ class ModelAdapter(metaclass=_AdapterMeta):
 
     def weight_sources(self) -> list[WeightSource]:
         """Everything this run loads: the denoiser, the VAE, the text encoders and tokenizers, the scheduler config,
-        the pipeline's ``model_index.json`` and, with ``validation_preview``, the preview decoder."""
+        the pipeline's ``model_index.json`` and, with ``validation_preview``, the preview decoder. Split training's
+        stage 2 (``train_from_cache``) loads no encoder: its VAE, needed only to decode validation images, is
+        checked when validation starts (see ``vae_weights``)."""
         base = self.model_path()
-        sources = [self.denoiser_weights(), self._vae_weights(), *self._text_weights(), self._scheduler_weights(),
+        encoders = [] if self.cache_only else [self._vae_weights(), *self._text_weights()]
+        sources = [self.denoiser_weights(), *encoders, self._scheduler_weights(),
                    WeightSource(self._base_field(), base, None, need=("model_index.json",), weights=False,
                                 what="pipeline layout", revision=self.config.revision)]
         if getattr(self.config, "validation_preview", False):
@@ -224,16 +237,48 @@ class ModelAdapter(metaclass=_AdapterMeta):
                                             alternative="turn previews off (validation_preview: false)"))
         return sources
 
-    def check_weights(self, extra: list[WeightSource] | tuple = ()) -> None:
+    def encoder_weight_sources(self) -> list[WeightSource]:
+        """What split training's stage 1 (``simpletuner cache``) loads: the VAE, and the text encoders and
+        tokenizers; never the denoiser."""
+        return [self._vae_weights(), *self._text_weights()]
+
+    def vae_weights(self) -> WeightSource:
+        """The VAE's source (stage 2 checks it before its first validation image)."""
+        return self._vae_weights()
+
+    def check_weights(self, extra: list[WeightSource] | tuple = (), *, encoders_only: bool = False) -> None:
         """Before anything is cached or written: refuse a generated flavour (``tiny``) combined with paths to other
-        weights, then prove every source of ``weight_sources`` (and ``extra``) can be loaded (see
-        :mod:`simpletuner.models.weights`). Raises WeightLoadError naming the field, the id or path and the fix."""
+        weights, then prove every source of ``weight_sources`` (or, with ``encoders_only``, of
+        ``encoder_weight_sources``) and ``extra`` can be loaded (see :mod:`simpletuner.models.weights`). Raises
+        WeightLoadError naming the field, the id or path and the fix."""
         from simpletuner.config.train import flavour_path_errors
 
         contradictions = flavour_path_errors(self.config)
         if contradictions:
             raise WeightLoadError("\n".join(str(e) for e in contradictions))
-        check_weight_sources([*self.weight_sources(), *extra])
+        sources = self.encoder_weight_sources() if encoders_only else self.weight_sources()
+        check_weight_sources([*sources, *extra])
+
+    # ---- split training --------------------------------------------------------------------------------
+    def trainable_preprocessing(self) -> list[str]:
+        """The parts of this run's preprocessing (text encoders, frozen conditioning encoders) that receive
+        gradients, each as "<part> (<the setting that trains it>)": their outputs change as training runs, so they
+        cannot be cached ahead of it. Empty for every family here (text encoder training is refused by the config);
+        a family that trains one lists it."""
+        return []
+
+    @property
+    def cache_only(self) -> bool:
+        """Split training's stage 2 (``train_from_cache``): everything encoded comes from the cache; no text encoder
+        loads, and the VAE loads only to decode validation images."""
+        return bool(getattr(self.config, "train_from_cache", False))
+
+    def use_cached_identities(self, vae_identity: str, text_identity: str, vae_scale_factor: int) -> None:
+        """Stage 2: the cache keys are the ones stage 1 wrote under, and the VAE's downscale the one it read (both
+        from its manifest, once the manifest was checked against this config), so neither needs the encoders'
+        files."""
+        self._cached_identities = (vae_identity, text_identity)
+        self.__dict__["vae_scale_factor"] = int(vae_scale_factor)  # the cached_property, without the VAE's config
 
     # ---- loading ---------------------------------------------------------------------------------------
     def denoiser_source(self) -> tuple[str, str | None]:
@@ -276,6 +321,8 @@ class ModelAdapter(metaclass=_AdapterMeta):
             self.vae = vae_class.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32)
         if getattr(self.config, "vae_enable_tiling", False):
             self.vae.enable_tiling()  # overlapping tiles: large images encode and decode in bounded memory
+        if self.cache_only:
+            self.vae.encode = _refuse_encode  # stage 2 decodes validation images only; every latent is cached
         self.vae.requires_grad_(False).eval()
         self._place(self.vae)
         return self.vae
@@ -300,6 +347,10 @@ class ModelAdapter(metaclass=_AdapterMeta):
     def load_text_encoders(self) -> None:
         """Load ``self.text_encoders`` and ``self.tokenizers`` from ``text_encoder_specs`` (frozen, eval, on
         ``self.device``) and apply ``text_encoder_<n>_precision``."""
+        if self.cache_only:
+            raise EncoderNotLoaded(
+                "train_from_cache: the text encoders are never loaded in split training's stage 2, and a prompt "
+                "this run needs is not in the cache; add it to the config and run `simpletuner cache` again")
         sources = self._text_weights()
         self.tokenizers, self.text_encoders = [], []
         for n, (enc_dir, enc_cls, tok_dir, tok_cls) in enumerate(self.text_encoder_specs):
@@ -454,12 +505,19 @@ class ModelAdapter(metaclass=_AdapterMeta):
 
     def text_cache_identity(self) -> str:
         """A string that changes whenever a prompt would encode differently (encoders, tokenizers, lengths,
-        precisions, dtype): part of every text-cache key."""
+        precisions, dtype): part of every text-cache key. In stage 2, the identity stage 1 cached under."""
+        if self._cached_identities is not None:
+            return self._cached_identities[1]
+        return "|".join(self.text_identity_parts())
+
+    def text_identity_parts(self) -> list[str]:
+        """``text_cache_identity`` part by part: each encoder and tokenizer folder's ``component_identity``, the
+        family's extras, the precisions and the dtype (a split run's manifest compares them one by one)."""
         folders = [spec[0] for spec in self.text_encoder_specs] + [spec[2] for spec in self.text_encoder_specs]
         precisions = [getattr(self.config, f"text_encoder_{n}_precision", None) or "no_change"
                       for n in range(1, len(self.text_encoder_specs) + 1)]
         parts = [self.component_identity(f) for f in folders] + self.text_identity_extras()
-        return "|".join(parts + [f"precision={precisions}", str(self.weight_dtype)])
+        return parts + [f"precision={precisions}", str(self.weight_dtype)]
 
     def text_identity_extras(self) -> list[str]:
         """Family settings that change an embedding besides the weights (e.g. a sequence length)."""
@@ -467,8 +525,14 @@ class ModelAdapter(metaclass=_AdapterMeta):
 
     def vae_cache_identity(self) -> str:
         """Like ``text_cache_identity`` for latents (tiled encoding can change them, so it is part of it)."""
-        tiled = "|tiled" if getattr(self.config, "vae_enable_tiling", False) else ""
-        return self.component_identity("vae") + tiled
+        if self._cached_identities is not None:
+            return self._cached_identities[0]
+        return "|".join(self.vae_identity_parts())
+
+    def vae_identity_parts(self) -> list[str]:
+        """``vae_cache_identity`` part by part."""
+        return [self.component_identity("vae")] + (["tiled"] if getattr(self.config, "vae_enable_tiling", False)
+                                                    else [])
 
     # ---- training ----------------------------------------------------------------------------------------
     @cached_property

@@ -242,10 +242,11 @@ class Worker:
         if self.o.job_command:
             fmt = {"python": sys.executable, "config": claim["config"], "run_dir": str(run_dir),
                    "num_processes": str(spec.num_processes), "job_id": str(claim["job_id"]),
-                   "machine_rank": str(rank)}
+                   "machine_rank": str(rank), "module": claim.get("module", "simpletuner.train")}
             cmd = [part.format(**fmt) for part in self.o.job_command]
         else:
-            cmd = accelerate_command(spec, ["--config", claim["config"]])
+            cmd = accelerate_command(spec, ["--config", claim["config"]],
+                                     module=claim.get("module", "simpletuner.train"))
         log_path = run_dir / ("train.log" if rank == 0 else f"train-machine{rank}.log")
         log = open(log_path, "ab", buffering=0)
         log.write(f"=== job {claim['job_id']} attempt {claim['attempt']} machine {rank} on worker {self.o.name}: "

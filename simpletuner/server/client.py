@@ -154,6 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="re-queue instead of failing if the server restarts mid-run")
     p.add_argument("--max-retries", type=int, default=0,
                    help="retry automatically after a trainer crash, resuming from the newest checkpoint (default 0)")
+    p.add_argument("--kind", choices=("train", "cache"), default="train",
+                   help="cache: split training's stage 1 (simpletuner cache) as a job")
+    p.add_argument("--depends-on", type=int, default=None, metavar="JOB_ID",
+                   help="a train job: the cache job it waits for (set train_from_cache to train from its cache)")
     p.add_argument("--wait", action="store_true", help="follow events until the job ends; exit 0 if it succeeded")
 
     p = sub.add_parser("list", parents=[common], help="list jobs")
@@ -203,6 +207,10 @@ def build_submit_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"name": args.name, "priority": args.priority, "num_processes": args.num_processes,
                             "num_machines": args.num_machines,
                             "retry_on_restart": args.retry_on_restart, "max_retries": args.max_retries}
+    if getattr(args, "kind", "train") != "train":
+        body["kind"] = args.kind
+    if getattr(args, "depends_on", None) is not None:
+        body["depends_on"] = args.depends_on
     overrides = _parse_set(args.set)
     if args.config_name:
         body["config_name"] = args.config_name

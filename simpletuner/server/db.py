@@ -117,6 +117,12 @@ class JobRow(Base):
     log_tail: Mapped[str | None] = mapped_column(Text, nullable=True)
     progress: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     results: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # Split training: a "cache" job runs stage 1 (`simpletuner cache`); a "train" job may wait for one (depends_on)
+    kind: Mapped[str] = mapped_column(String(16), default="train", server_default=text("'train'"))
+    depends_on: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+JOB_KINDS = ("train", "cache")
 
 
 class JobEventRow(Base):

@@ -30,6 +30,7 @@ from simpletuner.config.launch import LaunchSpec, accelerate_command
 from . import rundir
 from .broker import EventBroker
 from .db import FINISHED, Database, JobEventRow, JobRow, now
+from .pairs import dependency_state
 from .settings import ServerSettings, hostname
 from .validation import _canon, absolutize_backends
 from .workers import WORKER_PREFIX, Fleet
@@ -378,12 +379,19 @@ class JobManager:
         free = self._free_devices()
         with self.db.session() as s:
             candidates = s.execute(
-                select(JobRow.id, JobRow.num_processes)
+                select(JobRow.id, JobRow.num_processes, JobRow.depends_on)
                 .where(JobRow.status == "queued", JobRow.num_machines <= 1)
                 .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id)
                 .limit(20)
             ).all()
-        for job_id, num_processes in candidates:
+        for job_id, num_processes, depends_on in candidates:
+            with self.db.session() as s:
+                state, why = dependency_state(s, job_id, depends_on)
+            if state == "waiting":
+                continue  # its cache job has not finished; jobs behind it may start
+            if state == "failed":
+                self._fail_queued(job_id, why)
+                return True
             if self.accelerators and num_processes > len(self.accelerators) and self.fleet.online_count():
                 continue  # too big for this machine: a worker with more devices takes it
             problem = self.capacity_problem(num_processes)
@@ -469,21 +477,23 @@ class JobManager:
         prepared = self.prepare_run(job)
         run_dir, config_path = prepared.run_dir, prepared.config_path
         n = max(1, int(job.num_processes or 1))
+        module = "simpletuner.cache" if job.kind == "cache" else "simpletuner.train"  # split training's stage 1
         if self.settings.job_command:
             fmt = {"python": sys.executable, "config": str(config_path), "run_dir": str(run_dir),
-                   "num_processes": str(n), "job_id": str(job.id)}
+                   "num_processes": str(n), "job_id": str(job.id), "module": module}
             cmd = [part.format(**fmt) for part in self.settings.job_command]
         elif self.settings.launcher == "python" and n == 1:
-            cmd = [sys.executable, "-m", "simpletuner.train", "--config", str(config_path)]
+            cmd = [sys.executable, "-m", module, "--config", str(config_path)]
         else:
             cmd = accelerate_command(LaunchSpec(num_processes=n, use_cpu=not self.accelerators),
-                                     ["--config", str(config_path)])
+                                     ["--config", str(config_path)], module=module)
 
         env = {k: v for k, v in os.environ.items() if k != "SIMPLETUNER_API_TOKEN"}
         env.update(
             SIMPLETUNER_WEBHOOK_URL=f"{self.settings.webhook_base_url()}/api/jobs/{job.id}/events",
             SIMPLETUNER_WEBHOOK_SECRET=job.webhook_secret or "",
             SIMPLETUNER_JOB_ID=str(job.id),
+            SIMPLETUNER_JOB_KIND=job.kind or "train",
             SIMPLETUNER_RUN_DIR=str(run_dir),
             PYTHONUNBUFFERED="1",
         )
@@ -609,7 +619,7 @@ class JobManager:
         if not job.run_dir:
             return out
         output = Path(job.run_dir) / "output"
-        summary = output / "run_summary.json"
+        summary = output / (rundir.CACHE_SUMMARY if job.kind == "cache" else "run_summary.json")
         if summary.exists():
             try:
                 data = json.loads(summary.read_text())

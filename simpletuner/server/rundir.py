@@ -14,6 +14,7 @@ from simpletuner.config.files import read_json, safetensors_intact
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 SUMMARY = "run_summary.json"
+CACHE_SUMMARY = "cache_summary.json"  # a cache job's (split training, stage 1)
 LORA_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
 
 
@@ -37,11 +38,15 @@ def newest_checkpoint(output: str | Path) -> tuple[int, Path] | None:
 
 def finished_on_disk(run_dir: str | Path) -> dict | None:
     """The run summary when the trainer finished: ``run_summary.json`` reads back and the final model it names
-    is on disk and whole. None otherwise (still running, crashed, or cut short while saving)."""
+    is on disk and whole (a cache job: ``cache_summary.json`` and the finished manifest it names). None otherwise
+    (still running, crashed, or cut short while saving)."""
     output = output_of(run_dir)
     summary = read_json(output / SUMMARY)
     if summary is None:
-        return None
+        cached = read_json(output / CACHE_SUMMARY)
+        manifest = read_json(cached["cache_manifest"]) if cached and isinstance(cached.get("cache_manifest"), str) \
+            else None
+        return cached if manifest is not None and manifest.get("complete") is True else None
     lora, model = summary.get("lora_path"), summary.get("model_path")
     if isinstance(lora, str) and lora:
         return summary if safetensors_intact(lora) else None

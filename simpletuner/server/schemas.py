@@ -123,6 +123,11 @@ class JobCreate(BaseModel):
     retry_on_restart: bool = Field(False, description="re-queue (rather than fail) if the server restarts mid-run")
     max_retries: int = Field(0, ge=0, le=100, description="automatic retries after a trainer crash; each resumes "
                                                            "from the newest checkpoint")
+    kind: Literal["train", "cache"] = Field("train", description="'cache': split training's stage 1 (`simpletuner "
+                                                                 "cache`), which a train job can depend on")
+    depends_on: int | None = Field(None, ge=1, le=MAX_ID, description="a train job: the cache job it waits for; it "
+                                                                      "runs once that one succeeds, and fails if it "
+                                                                      "fails")
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":
@@ -176,6 +181,8 @@ class JobOut(BaseModel):
     results: dict[str, Any] | None = None
     queue_position: int | None = Field(None, description="1 = next to start (queued jobs only)")
     warnings: list[str] = []
+    kind: Literal["train", "cache"] = "train"
+    depends_on: int | None = Field(None, description="the cache job this train job waits for")
 
 
 class JobDetail(JobOut):

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from . import rundir
 from .db import Base, JobRow, now
+from .pairs import dependency_state
 
 logger = logging.getLogger("simpletuner.server.workers")
 
@@ -107,6 +108,7 @@ class Claim:
     main_process_port: int | None
     run_dir: str
     config: str
+    module: str  # what the launcher runs: simpletuner.train, or simpletuner.cache for a cache job
     webhook_secret: str | None
     allowed_roots: list[str]
     resume_step: int | None
@@ -295,11 +297,19 @@ class Fleet:
             return pending
         with self.db.session() as s:
             candidates = s.execute(
-                select(JobRow.id, JobRow.num_processes, JobRow.num_machines).where(JobRow.status == "queued")
+                select(JobRow.id, JobRow.num_processes, JobRow.num_machines, JobRow.depends_on)
+                .where(JobRow.status == "queued")
                 .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id).limit(20)).all()
             others = list(s.scalars(select(WorkerRow).where(
                 WorkerRow.status == "online", WorkerRow.lease_expires_at > now(), WorkerRow.id != worker_id)))
-        for job_id, processes, machines in candidates:
+        for job_id, processes, machines, depends_on in candidates:
+            with self.db.session() as s:
+                state, why = dependency_state(s, job_id, depends_on)
+            if state == "waiting":
+                continue  # its cache job has not finished
+            if state == "failed":
+                self.manager._fail_queued(job_id, why)
+                continue
             machines = max(1, machines or 1)
             cost = self._cost(worker, processes, machines)
             if cost > worker.slots:
@@ -380,6 +390,7 @@ class Fleet:
                      num_machines=max(1, job.num_machines or 1), num_processes=max(1, job.num_processes or 1),
                      main_process_ip=job.main_process_ip, main_process_port=job.main_process_port,
                      run_dir=str(prepared.run_dir), config=str(prepared.config_path),
+                     module="simpletuner.cache" if job.kind == "cache" else "simpletuner.train",
                      webhook_secret=job.webhook_secret if a.machine_rank == 0 else None,
                      allowed_roots=[str(p) for p in self.settings.resolved_allowed_roots()],
                      resume_step=prepared.resume_step)

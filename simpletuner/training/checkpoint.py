@@ -29,7 +29,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.config.files import write_json  # noqa: F401  (checkpoint.write_json: run summaries)
 from simpletuner.training import failpoints
 from simpletuner.training.state import RunState
 
@@ -290,16 +290,3 @@ def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: Ru
     return None
 
 
-def write_json(path: str | Path, data) -> None:
-    """Write JSON atomically (temp file + rename): a reader never sees half a file, even after a crash."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -93,15 +93,17 @@ def launch_spec(args) -> LaunchSpec:
                       main_process_port=getattr(args, "main_process_port", None), use_cpu=not _has_cuda())
 
 
-def launch_command(args) -> list[str]:
-    """``accelerate launch`` of ``python -m simpletuner.train`` with the same arguments (the shared launcher)."""
+def launch_command(args, module: str = "simpletuner.train") -> list[str]:
+    """``accelerate launch`` of ``python -m <module>`` (the trainer, or split training's stage 1
+    ``simpletuner.cache``) with the same arguments (the shared launcher)."""
     train_args = ["--config", args.config]
     if args.data_backend_config:
         train_args += ["--data_backend_config", args.data_backend_config]
     for item in args.set:
         train_args += ["--set", item]
     try:
-        return accelerate_command(launch_spec(args), train_args + list(getattr(args, "config_flags", None) or []))
+        return accelerate_command(launch_spec(args), train_args + list(getattr(args, "config_flags", None) or []),
+                                  module=module)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
 
@@ -113,31 +115,41 @@ def _has_cuda() -> bool:
         ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
-def check_packages(config) -> None:
-    """Exit 1, before anything is loaded or cached, when an option needs a package that is not installed."""
+def check_packages(config, fields: tuple[str, ...] | None = None) -> None:
+    """Exit 1, before anything is loaded or cached, when an option needs a package that is not installed (only
+    options of ``fields``, by prefix, when given)."""
     from simpletuner.config.requirements import missing_packages
 
-    errors = missing_packages(config.__dict__)
+    errors = [e for e in missing_packages(config.__dict__) if fields is None or e.path.startswith(fields)]
     if errors:
         print("error: missing packages\n" + "\n".join(str(e) for e in errors), file=sys.stderr)
         raise SystemExit(1)
 
 
 def run(args) -> int:
+    return run_recipe(args, "simpletuner.train")
+
+
+def run_recipe(args, module: str) -> int:
+    """Load and check both configs, then run the recipe of ``module`` (``simpletuner.train``, or split training's
+    stage 1 ``simpletuner.cache``) here, or under ``accelerate launch`` with ``--num_processes`` N > 1."""
     overrides = parse_overrides(args.set, getattr(args, "config_flags", None))
     loaded, backends = load_configs(args.config, args.data_backend_config, overrides)
-    check_packages(loaded.config)
+    caching = module == "simpletuner.cache"
+    check_packages(loaded.config, ("text_encoder_",) if caching else None)  # stage 1 loads only the encoders
     if args.num_processes > 1 or getattr(args, "num_machines", 1) > 1:
-        cmd = launch_command(args)
-        return subprocess.call(cmd, env=launch_env(launch_spec(args)))
+        return subprocess.call(launch_command(args, module), env=launch_env(launch_spec(args)))
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from simpletuner.config import ConfigError
     from simpletuner.data.discovery import DatasetError
-    from simpletuner.training.trainer import run as run_training
 
+    if caching:
+        from simpletuner.training.split import run_cache as run_module
+    else:
+        from simpletuner.training.trainer import run as run_module
     try:
-        return run_training(loaded.config, backends)
+        return run_module(loaded.config, backends)
     except (ConfigError, DatasetError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

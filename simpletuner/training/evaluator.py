@@ -22,7 +22,8 @@ import torch
 
 from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
                                     mask_key, negative_identity, text_key)
-from simpletuner.data.discovery import DatasetError, Sample, discover, load_pixels, reference_sample, with_pairs
+from simpletuner.data.discovery import (DatasetError, DatasetSamples, Sample, discover, load_pixels, reference_sample,
+                                          with_pairs)
 from simpletuner.evaluation.eval_loss import EvalItem, evaluation_loss
 from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
 from simpletuner.evaluation.trackers import Trackers
@@ -40,10 +41,12 @@ log = logging.getLogger("simpletuner.evaluation")
 
 class Evaluator:
     def __init__(self, config, backends, adapter, accelerator, reporter, *, trackers: Trackers | None = None,
-                 generators: list[torch.Generator] | tuple = ()):
+                 generators: list[torch.Generator] | tuple = (), samples: dict[str, DatasetSamples] | None = None):
         """Checks the validation settings (raising on contradictions) and finds the eval images; loads nothing.
 
         ``generators``: the trainer's own RNGs, restored after each validation/evaluation with the global ones.
+        ``samples``: every dataset's samples by dataset id, as a split run's cache manifest lists them (its images
+        need not be on this machine); without it the eval datasets are discovered from their folders.
         """
         self.config = config
         self.backends = backends
@@ -76,14 +79,16 @@ class Evaluator:
             log.warning("evaluation_type 'clip' scores validation images, and validation is off: no CLIP scores")
 
         # ---- eval loss ----
+        self.samples = samples
         self.eval_datasets = []
         for backend in backends.eval_datasets:
-            ds = discover(backend, config, adapter.resolution_multiple,
-                          temporal_compression=adapter.temporal_compression)
+            ds = samples[backend.id] if samples is not None else discover(
+                backend, config, adapter.resolution_multiple, temporal_compression=adapter.temporal_compression)
             if not ds.samples:
                 raise DatasetError(f"datasets[{backend.id}]: no usable images in {backend.instance_data_dir} "
                                    f"(dataset_type eval, {len(ds.skipped)} skipped)")
-            ds.samples = with_pairs(backends, backend, ds.samples)
+            if samples is None:
+                ds.samples = with_pairs(backends, backend, ds.samples)
             self.eval_datasets.append((backend, ds))
         self.eval_every = config.eval_steps_interval or (config.validation_steps if self.eval_datasets else None)
         if config.eval_steps_interval and not self.eval_datasets:
@@ -205,6 +210,13 @@ class Evaluator:
                     self.reference_latents(item, width, height)
         return latents, captions
 
+    def reference_samples(self) -> list[Sample]:
+        """The validation reference images an edit model edits, each prepared at each validation size."""
+        if not (self.validating and self.adapter.references):
+            return []
+        return [self.reference_sample(item, width, height)
+                for item in self.prompts if item.reference_image for width, height in self.resolutions]
+
     def reference_sample(self, item, width: int, height: int) -> Sample | None:
         """The reference image ``item`` edits, cropped to width x height as training crops its references."""
         if not self.adapter.references or not item.reference_image:
@@ -214,16 +226,26 @@ class Evaluator:
     def reference_latents(self, item, width: int, height: int) -> dict[str, torch.Tensor] | None:
         """The reference image ``item`` edits at width x height: ``reference_latents`` (C, h, w) as training encodes
         its references, and its ``reference_pixels`` (3, H, W) in [-1, 1] for a pipeline that takes the image
-        itself (encoded once per run, while the VAE is loaded)."""
+        itself (its latents cached beside the prompt embeddings, encoded while the VAE is loaded, so a split run's
+        stage 2 reads them without the VAE encoder)."""
         sample = self.reference_sample(item, width, height)
         if sample is None:
             return None
         key = (item.reference_image, width, height)
         if key not in self._references:
             pixels = load_pixels(sample)
-            self._references[key] = {"reference_latents": self.adapter.encode_references(pixels.unsqueeze(0))[0],
+            cache_key = latent_key(sample, self.adapter.reference_cache_identity())
+            if not self.text_cache.has(cache_key):
+                self.text_cache.save(cache_key, {"latents": self.adapter.encode_references(pixels.unsqueeze(0))[0]})
+            self._references[key] = {"reference_latents": self.text_cache.load(cache_key)["latents"],
                                      "reference_pixels": pixels}
         return self._references[key]
+
+    def disable_images(self, reason: str) -> None:
+        """No validation images (nor previews, nor CLIP scores) in this run, with a warning saying why."""
+        if self.validating:
+            log.warning("validation images are skipped: %s", reason)
+        self.validating = False
 
     def _identity(self) -> tuple[str, str]:
         if self._identities is None:
@@ -366,8 +388,9 @@ class Evaluator:
         the first training dataset (its first frame, condition latents, image embedding)."""
         if getattr(self, "_conditioning", None) is None:
             backend = self.backends.image_datasets[0]
-            ds = discover(backend, self.config, self.adapter.resolution_multiple,
-                          temporal_compression=self.adapter.temporal_compression)
+            ds = self.samples[backend.id] if self.samples is not None else discover(
+                backend, self.config, self.adapter.resolution_multiple,
+                temporal_compression=self.adapter.temporal_compression)
             cache = TensorCache(backend.cache_dir_vae)
             keys = [latent_key(s, self._identity()[0]) for s in ds.samples]
             key = next((k for k in keys if cache.has(k)), None)

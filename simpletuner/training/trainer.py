@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.data.cache import (TensorCache, fill_latent_cache, fill_mask_cache, fill_text_cache, latent_key,
                                     mask_key, text_key)
-from simpletuner.data.discovery import DatasetError, discover, with_pairs
+from simpletuner.data.discovery import DatasetError, DatasetSamples, discover, with_pairs
 from simpletuner.data.sampler import BucketBatchSampler
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
@@ -160,10 +160,9 @@ def _evaluation_weights(config) -> list:
                          what="CLIP model", alternative="evaluation_type: none")]
 
 
-def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
-    """Discover samples (with their paired reference images and loss masks), fill the latent, mask and text caches
-    (main process first), and build the bucket sampler from the samples that encoded (a file that cannot be decoded
-    is skipped, named and counted, never fatal mid-run)."""
+def discover_datasets(config, backends, adapter) -> tuple[list, list[DatasetSamples]]:
+    """(training backends, their samples): every usable file of each image/video dataset, with its paired
+    reference image and loss mask; a dataset without one usable file is an error naming it."""
     training_backends = [b for b in backends.datasets if b.dataset_type in ("image", "video")]
     datasets = [discover(b, config, adapter.resolution_multiple, temporal_compression=adapter.temporal_compression)
                 for b in training_backends]
@@ -176,18 +175,37 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                 f"{'the video options' if adapter.is_video else 'minimum_image_size'}."
             )
         ds.samples = with_pairs(backends, backend, ds.samples)  # reference images and loss masks, by path
+    return training_backends, datasets
 
-    vae_caches = {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
+
+def vae_caches_of(backends) -> dict[str, TensorCache]:
+    """Each non-eval dataset's latent cache (training images, their references and masks), by dataset id."""
+    return {b.id: TensorCache(b.cache_dir_vae) for b in backends.datasets if b.dataset_type != "eval"}
+
+
+def cache_sets(samples, vae_caches: dict[str, TensorCache]) -> tuple[dict[str, list], dict[str, list],
+                                                                     dict[str, list]]:
+    """(latent samples, reference samples, mask samples) by cache folder: each sample in its dataset's folder, its
+    reference image and mask in theirs."""
     latent_sets: dict[str, list] = {}
     reference_sets: dict[str, list] = {}
     mask_sets: dict[str, list] = {}
-    for b, ds in zip(training_backends, datasets):
-        latent_sets.setdefault(b.cache_dir_vae, []).extend(ds.samples)
-        for s in ds.samples:
-            if s.conditioning is not None:
-                reference_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
-            if s.mask is not None:
-                mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
+    for s in samples:
+        latent_sets.setdefault(str(vae_caches[s.dataset_id].folder), []).append(s)
+        if s.conditioning is not None:
+            reference_sets.setdefault(str(vae_caches[s.conditioning.dataset_id].folder), []).append(s.conditioning)
+        if s.mask is not None:
+            mask_sets.setdefault(str(vae_caches[s.mask.dataset_id].folder), []).append(s.mask)
+    return latent_sets, reference_sets, mask_sets
+
+
+def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
+    """Discover samples (with their paired reference images and loss masks), fill the latent, mask and text caches
+    (main process first), and build the bucket sampler from the samples that encoded (a file that cannot be decoded
+    is skipped, named and counted, never fatal mid-run)."""
+    training_backends, datasets = discover_datasets(config, backends, adapter)
+    vae_caches = vae_caches_of(backends)
+    latent_sets, reference_sets, mask_sets = cache_sets([s for ds in datasets for s in ds.samples], vae_caches)
     text_cache = TensorCache(backends.text_embeds.cache_dir)
     unreadable: list = []
     with accelerator.main_process_first():
@@ -200,14 +218,8 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
                                              unreadable=unreadable, references=True)
         if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
             fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
-        _drop_unreadable(datasets, unreadable)
-        samples = [s for ds in datasets for s in ds.samples]
-        captions = [s.caption for s in samples]
-        # an edit model whose text encoder sees the reference caches each caption with its sample's reference
-        references = [s.conditioning for s in samples] if adapter.prompt_takes_reference else None
-        if config.caption_dropout_probability:
-            captions += [""] * (len(samples) if references is not None else 1)
-            references = references + references if references is not None else None
+        drop_unreadable(datasets, unreadable)
+        captions, references = training_captions(config, datasets, adapter)
         if config.offload_during_startup:
             adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
@@ -241,13 +253,28 @@ def _check_i2v(backend, adapter) -> None:
                            f"{flavour!r}, which {'is' if model else 'is not'} an image-to-video flavour")
 
 
-def _drop_unreadable(datasets, unreadable) -> None:
-    """Move samples whose file failed to decode from ``samples`` to ``skipped`` (warned once per file)."""
+def training_captions(config, datasets, adapter) -> tuple[list[str], list | None]:
+    """Every caption training embeds (the samples' own, and the empty one when captions are dropped), and the
+    reference image each is encoded with where the adapter's prompt embedding sees it (``prompt_takes_reference``;
+    else None)."""
+    samples = [s for ds in datasets for s in ds.samples]
+    captions = [s.caption for s in samples]
+    # an edit model whose text encoder sees the reference caches each caption with its sample's reference
+    references = [s.conditioning for s in samples] if adapter.prompt_takes_reference else None
+    if config.caption_dropout_probability:
+        captions += [""] * (len(samples) if references is not None else 1)
+        references = references + references if references is not None else None
+    return captions, references
+
+
+def drop_unreadable(datasets, unreadable) -> None:
+    """Move samples whose file failed to decode (``unreadable``: (sample or its path, reason) pairs) from
+    ``samples`` to ``skipped`` (warned once per file)."""
     if not unreadable:
         return
     bad = {}
     for sample, reason in unreadable:
-        bad.setdefault(sample.path, reason)
+        bad.setdefault(getattr(sample, "path", sample), reason)
     for ds in datasets:
         hit = {s.path for s in ds.samples if s.path in bad}
         for path in sorted(hit):
@@ -467,8 +494,16 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                              references=backends.uses_references)
     preflight(config, adapter, accelerator.device, backends)
     shards = sharding.for_run(config, accelerator)  # fsdp_enable / deepspeed_config; None otherwise
-    evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
-    data = prepare_data(config, backends, adapter, accelerator, evaluator)
+    if config.train_from_cache:  # split training's stage 2: every input from stage 1's manifest, no encoder loaded
+        from simpletuner.training.split import load_cache
+
+        cached = load_cache(config, backends, adapter)
+        evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator],
+                              samples=cached.samples)
+        data = cached.train_data(config, backends, adapter, evaluator)
+    else:
+        evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
+        data = prepare_data(config, backends, adapter, accelerator, evaluator)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
@@ -702,9 +737,17 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
 
 def run(config, backends) -> int:
     """Train and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
+    return run_reported(train, config, backends, lambda result: dict(
+        final_loss=result.final_loss, lora_path=result.lora_path, model_path=result.model_path,
+        output_dir=result.output_dir, steps=result.global_step))
+
+
+def run_reported(recipe, config, backends, outcome) -> int:
+    """``recipe(config, backends, reporter=...)`` with its end reported to the webhooks: succeeded (with
+    ``outcome(result)``), failed (with the error and traceback, then re-raised) or cancelled by a signal (143)."""
     reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
     try:
-        result = train(config, backends, reporter=reporter)
+        result = recipe(config, backends, reporter=reporter)
     except TrainingInterrupted as exc:
         log.warning("%s", exc)
         reporter.status("cancelled", reason=str(exc))
@@ -715,8 +758,7 @@ def run(config, backends) -> int:
         reporter.status("failed", reason=str(exc))
         reporter.close()
         raise
-    reporter.status("succeeded", final_loss=result.final_loss, lora_path=result.lora_path,
-                    model_path=result.model_path, output_dir=result.output_dir, steps=result.global_step)
+    reporter.status("succeeded", **outcome(result))
     reporter.close()
     return 0
 

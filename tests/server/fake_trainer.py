@@ -1,7 +1,8 @@
 """A stand-in for ``python -m simpletuner.train`` in server tests: reads the frozen config the server wrote,
 reports through the real WebhookReporter, and behaves as ``tracker_run_name`` says:
 
-- ``ok`` (default): ``max_train_steps`` progress events, a checkpoint, an image, scores, then success
+- ``ok`` (default): ``max_train_steps`` progress events, a checkpoint, an image, scores, then success (a cache
+  job, ``SIMPLETUNER_JOB_KIND=cache``: a finished manifest and its summary, then success)
 - ``fail``: an error event and exit 3
 - ``hang``: report running, then sleep until killed (ignores nothing; SIGTERM exits 143 like the trainer)
 - ``stubborn``: like hang but ignores SIGTERM (needs SIGKILL), and starts a child in its process group
@@ -106,6 +107,13 @@ def main() -> int:
         reporter.status("failed")
         reporter.close(10)
         return 3
+    if os.environ.get("SIMPLETUNER_JOB_KIND") == "cache":  # split training's stage 1: a manifest, no model
+        manifest = out / "cache_manifest.json"
+        manifest.write_text(json.dumps({"format": 1, "complete": True}))
+        (out / "cache_summary.json").write_text(json.dumps({"cache_manifest": str(manifest)}))
+        reporter.status("succeeded", cache_manifest=str(manifest), output_dir=str(out))
+        reporter.close(10)
+        return 0
     loss = 1.0
     for step in range(1, steps + 1):
         loss *= 0.9

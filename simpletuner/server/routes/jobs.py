@@ -12,6 +12,7 @@ from sqlalchemy import delete, func, select
 
 from .. import deps
 from ..db import FINISHED, JobEventRow, JobRow
+from ..pairs import check_dependency
 from ..queue import RetryConflict
 from ..schemas import (CONFLICT, ERRORS, MAX_ID, NOT_FOUND, FileOut, JobCreate, JobDetail, JobList, JobOut, JobPatch,
                        JobRetry)
@@ -68,6 +69,10 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
         raise InvalidConfig([FieldProblem("num_processes", problem)])
     # overrides win over every spelling of their key (--key, TRAINER_EXTRA_ARGS), as on the command line
     checked = deps.check(request, train_config, data_backends, prompt_library, overrides=body.overrides)
+    with deps.db(request).session() as s:
+        checked.warnings += check_dependency(s, kind=body.kind, depends_on=body.depends_on,
+                                             frozen=checked.frozen or checked.train_config,
+                                             data_backends=checked.data_backends, workdir=mgr.settings.workdir)
     job = mgr.submit(
         name=body.name or config_name or "",
         config_name=config_name,
@@ -80,6 +85,9 @@ def submit_job(body: JobCreate, request: Request) -> JobOut:
         num_machines=body.num_machines,
         retry_on_restart=body.retry_on_restart,
         max_retries=body.max_retries,
+        kind=body.kind,
+        depends_on=body.depends_on,
+        reason=f"waits for cache job {body.depends_on}" if body.depends_on else None,
     )
     with deps.db(request).session() as s:
         return job_out(_get(s, job.id), _positions(s), warnings=checked.warnings)

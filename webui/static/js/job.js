@@ -71,6 +71,10 @@ function renderJob() {
     document.getElementById("stat-eta").textContent = "done";
   }
   const results = job.results || {};
+  if (job.kind === "cache" && job.status !== "queued") { // stage 1 trains nothing: say what it cached
+    document.getElementById("progress-label").textContent = job.status === "succeeded"
+      ? `cached ${results.cached_samples ?? "?"} samples and ${results.cached_captions ?? "?"} captions` : `caching (${job.status})`;
+  }
   const facts = [
     ["Status", job.status + (job.reason ? ` (${job.reason})` : "")], ["Attempt", String(job.attempt)],
     ["Priority", String(job.priority)], ["Processes", String(job.num_processes)], ["Devices", job.devices || "CPU"],
@@ -78,7 +82,8 @@ function renderJob() {
   ];
   if (results.final_loss !== undefined) facts.push(["Final loss", fmtNum(results.final_loss)]);
   if (results.lora_path) facts.push(["LoRA", results.lora_path]);
-  document.getElementById("details").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))]));
+  facts.push(...pairFacts());
+  document.getElementById("details").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, typeof v === "object" ? v : String(v))]));
   document.getElementById("frozen").textContent = JSON.stringify({ train_config: job.train_config, data_backends: job.data_backends, prompt_library: job.prompt_library }, null, 2);
   const errorBox = document.getElementById("error-box");
   if (job.status === "failed" || job.error) {
@@ -87,6 +92,28 @@ function renderJob() {
     errorBox.hidden = false;
   }
   document.getElementById("log-download").href = `/api/jobs/${job.id}/files/train.log`;
+}
+
+// Split training: the job's kind, and its partner jobs (the cache job it trains from, or the train jobs waiting).
+let waitingJobs = [];
+function pairFacts() {
+  const link = (id) => el("a", { href: `/jobs/${id}` }, `job ${id}`);
+  const facts = [["Kind", job.kind === "cache" ? "cache (split training, stage 1)" : "train"]];
+  if (job.depends_on) facts.push(["Trains from", el("span", { id: "pair-link" }, "the cache of ", link(job.depends_on))]);
+  if (job.kind === "cache") {
+    facts.push(["Train jobs", waitingJobs.length ? el("span", { id: "pair-link" }, ...waitingJobs.flatMap((id, i) => [i ? ", " : "", link(id)])) : "none yet"]);
+    if (job.results && job.results.cache_manifest) facts.push(["Cache manifest", job.results.cache_manifest]);
+  }
+  return facts;
+}
+
+async function loadPair() {
+  if (!job || job.kind !== "cache") return;
+  try {
+    const data = await api("/api/jobs?limit=1000");
+    waitingJobs = data.jobs.filter((j) => j.depends_on === job.id).map((j) => j.id).sort((a, b) => a - b);
+    renderJob();
+  } catch { /* the pair is shown once the list loads */ }
 }
 
 function refreshJobSoon(ms = 300) {
@@ -367,6 +394,7 @@ function liveState(state) {
 
 async function start() {
   if (!(await loadJob())) return;
+  await loadPair();
   document.body.dataset.ready = "true";
   follow(`/api/jobs/${jobId}/stream?until_done=true`, {
     onEvent,

@@ -67,7 +67,8 @@ function row(job) {
   const name = job.name || job.config_name || `job ${job.id}`;
   const tr = el("tr", { "data-job": job.id, "data-status": job.status },
     el("td", { "data-label": "Job" }, el("a", { href: `/jobs/${job.id}` }, `#${job.id} ${name}`),
-      job.config_name ? el("div", { class: "muted small" }, `${job.config_name} v${job.config_version}`) : ""),
+      job.config_name ? el("div", { class: "muted small" }, `${job.config_name} v${job.config_version}`) : "",
+      pairNote(job, dependents.get(job.id) || [])),
     el("td", { "data-label": "Status" }, statusBadge(job.status), job.reason && job.status !== "succeeded" ? el("div", { class: "muted small" }, job.reason) : ""),
     el("td", { "data-label": "Progress" }, el("div", {}, parts.bar, parts.label)),
     el("td", { "data-label": "Loss", class: "num" }, parts.loss),
@@ -79,6 +80,20 @@ function row(job) {
   return tr;
 }
 
+// Split training: a cache job and the train jobs that wait for it, linked both ways.
+const dependents = new Map(); // cache job id -> ids of the train jobs depending on it
+function pairNote(job, waiting) {
+  if (job.kind === "cache") {
+    return el("div", { class: "pair small", "data-pair": "cache" }, el("span", { class: "kind" }, "cache job"),
+      ...waiting.flatMap((id) => [" · for ", el("a", { href: `/jobs/${id}` }, `#${id}`)]));
+  }
+  if (job.depends_on) {
+    return el("div", { class: "pair small", "data-pair": "train" }, "trains from cache job ",
+      el("a", { href: `/jobs/${job.depends_on}` }, `#${job.depends_on}`));
+  }
+  return "";
+}
+
 async function refresh() {
   let data;
   try {
@@ -88,6 +103,8 @@ async function refresh() {
     return;
   }
   rows.clear();
+  dependents.clear();
+  for (const j of data.jobs) if (j.depends_on) dependents.set(j.depends_on, [...(dependents.get(j.depends_on) || []), j.id]);
   if (!data.jobs.length) {
     tbody.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "empty" }, filter ? `No ${filter} jobs.` : "No jobs yet.")));
   } else tbody.replaceChildren(...data.jobs.map(row));
@@ -119,9 +136,21 @@ form.addEventListener("submit", async (e) => {
   const body = { config_name: select.value, name: document.getElementById("submit-name").value.trim(),
     priority: whole(priorityText), max_retries: whole(retriesText),
     num_processes: processesFor(gpuPreference(), accelerators) };
+  const split = document.getElementById("submit-split").value;
   try {
-    const job = await api("/api/jobs", { method: "POST", body });
-    toast(`Queued job ${job.id}.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
+    let job;
+    if (split === "train") {
+      job = await api("/api/jobs", { method: "POST", body });
+      toast(`Queued job ${job.id}.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
+    } else {
+      // split training: stage 1 as a cache job, then (unless caching only) a train job that trains from its cache
+      const cache = await api("/api/jobs", { method: "POST", body: { ...body, kind: "cache", name: body.name ? `${body.name} (cache)` : "" } });
+      job = cache;
+      if (split === "split") {
+        job = await api("/api/jobs", { method: "POST", body: { ...body, depends_on: cache.id, overrides: { train_from_cache: true } } });
+        toast(`Queued cache job ${cache.id} and train job ${job.id}, which trains from its cache once it succeeds.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
+      } else toast(`Queued cache job ${cache.id}.`, { link: { href: `/jobs/${cache.id}`, text: "Open" } });
+    }
     for (const w of job.warnings || []) toast(w);
     document.getElementById("submit-name").value = "";
     scheduleRefresh(0);
