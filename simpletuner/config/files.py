@@ -1,11 +1,12 @@
 """Torch-free checks of files the trainer writes, shared by the server (reconciling a run from its folder) and the
-data layer (cache entries)."""
+data layer (cache entries), and the one atomic text writer of the config layer and the server."""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 
@@ -35,3 +36,19 @@ def read_json(path: str | os.PathLike[str]) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of it: a temporary
+    file beside it, flushed, then renamed over it. Missing parent folders are made."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -94,6 +94,9 @@ class ValidateOut(BaseModel):
     valid: bool
     errors: list[FieldErrorOut] = []
     warnings: list[str] = []
+    data: dict[str, Any] | None = Field(None, description="what the dataset folders hold: per dataset its images, "
+                                                          "videos, captions, too-small and unreadable files, aspect "
+                                                          "buckets and batches per epoch, plus summary lines")
 
 
 class DataBackendsBody(BaseModel):

@@ -77,8 +77,9 @@ def validate_config(body: ConfigBody, request: Request) -> ValidateOut:
     try:
         checked = deps.check(request, body.train_config, body.data_backends, body.prompt_library)
     except InvalidConfig as exc:
-        return ValidateOut(valid=False, errors=[{"path": e.path, "message": e.message} for e in exc.errors])
-    return ValidateOut(valid=True, warnings=checked.warnings)
+        return ValidateOut(valid=False, errors=[{"path": e.path, "message": e.message} for e in exc.errors],
+                           data=exc.data)
+    return ValidateOut(valid=True, warnings=checked.warnings, data=checked.data)
 
 
 @router.post("", response_model=ConfigOut, status_code=status.HTTP_201_CREATED, responses=CONFLICT,
