@@ -336,6 +336,40 @@ def _pairing_errors(backends, scans: dict[str, DatasetScan], base, video_family:
     return errors
 
 
+def _batch_check(training: list[DatasetScan], batch_size: int, out: DataScan) -> None:
+    """Error when no training dataset fills one batch (the sampler would refuse to start); warn about a dataset
+    that never contributes one while others do."""
+    measured = [d for d in training if d.batches is not None]
+    if training and measured and len(measured) == len(training) and not any(d.batches for d in measured):
+        found = "; ".join(f"datasets[{d.id}]: {d.usable} usable, buckets "
+                          f"{', '.join(f'{k}: {n}' for k, n in d.buckets.items()) or 'none'}" for d in measured)
+        if any(d.usable for d in measured):
+            out.errors.append(FieldError(
+                "train_batch_size", f"{batch_size}: no aspect bucket holds that many images ({found}); every batch "
+                                    "comes from one bucket: lower train_batch_size, add images, or raise the "
+                                    "dataset's repeats"))
+    elif len(measured) > 1:
+        for d in measured:
+            if d.usable and not d.batches:
+                out.warnings.append(f"datasets[{d.id}]: no aspect bucket fills a batch of train_batch_size="
+                                    f"{batch_size}; this dataset is never trained on")
+
+
+def check_dataset(dataset, defaults, *, family, batch_size: int = 1, base: str | os.PathLike[str] | None = None,
+                  roots: list[Path] | None = None) -> DataScan:
+    """One dataset on its own (the web UI's dataset page): its scan, errors and warnings, and whether it forms a
+    batch of ``batch_size``; ``family`` is a :class:`~simpletuner.config.families.ModelFamily`."""
+    video_family = family.modality == "video"
+    out = DataScan()
+    d = scan_dataset(dataset, defaults, base=base, multiple=family.resolution_multiple, video_family=video_family,
+                     batch_size=batch_size, roots=roots)
+    out.datasets.append(d)
+    _dataset_errors(d, dataset, video_family, out)
+    if d.exists:
+        _batch_check([d], batch_size, out)
+    return out
+
+
 def scan_data(config, backends, *, base: str | os.PathLike[str] | None = None,
               roots: list[Path] | None = None) -> DataScan:
     """Scan every enabled dataset of ``backends`` (a validated :class:`~simpletuner.config.data.DataBackends`) for
@@ -355,21 +389,8 @@ def scan_data(config, backends, *, base: str | os.PathLike[str] | None = None,
             continue
         _dataset_errors(d, dataset, video_family, out)
     out.errors += _pairing_errors(backends, scans, base, video_family)
-    training = [scans[d.id] for d in backends.image_datasets if scans[d.id].exists]
-    measured = [d for d in training if d.batches is not None]
-    if training and measured and len(measured) == len(training) and not any(d.batches for d in measured):
-        found = "; ".join(f"datasets[{d.id}]: {d.usable} usable, buckets "
-                          f"{', '.join(f'{k}: {n}' for k, n in d.buckets.items()) or 'none'}" for d in measured)
-        if any(d.usable for d in measured):
-            out.errors.append(FieldError(
-                "train_batch_size", f"{config.train_batch_size}: no aspect bucket holds that many images ({found}); "
-                                    "every batch comes from one bucket: lower train_batch_size, add images, or raise "
-                                    "the dataset's repeats"))
-    elif len(measured) > 1:
-        for d in measured:
-            if d.usable and not d.batches:
-                out.warnings.append(f"datasets[{d.id}]: no aspect bucket fills a batch of train_batch_size="
-                                    f"{config.train_batch_size}; this dataset is never trained on")
+    _batch_check([scans[d.id] for d in backends.image_datasets if scans[d.id].exists], config.train_batch_size,
+                 out)
     errors, warnings = setting_problems(config, backends)
     out.errors += errors
     out.warnings += warnings

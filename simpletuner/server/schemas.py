@@ -285,3 +285,47 @@ class DatasetScan(BaseModel):
     images_with_captions: int = 0
     subdirs: int = 0
     examples: list[str] = []
+
+
+class DatasetCreate(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN, max_length=200, description="the dataset's name (its folder's name "
+                                                                         "when it holds uploads)")
+    path: str | None = Field(None, max_length=4096, description="an existing folder under the server's allowed "
+                                                                 "roots to use as it is; empty: a new folder for "
+                                                                 "uploads in the server's data dir")
+
+
+class DatasetOut(BaseModel):
+    name: str
+    path: str
+    uploaded: bool = Field(description="True: a folder of uploads in the data dir; False: the user's own folder")
+    exists: bool
+    created_at: float
+    files: int = Field(0, description="images and videos")
+    captioned: int = Field(0, description="of them with a .txt caption beside them")
+
+
+class DatasetFile(BaseModel):
+    path: str = Field(description="relative to the dataset folder")
+    kind: Literal["image", "video"]
+    caption: str | None = Field(None, description="its .txt caption (null: none)")
+    width: int | None = None
+    height: int | None = None
+    bytes: int = 0
+
+
+class DatasetDetail(DatasetOut):
+    items: list[DatasetFile]
+    total: int
+    offset: int
+    scan: dict[str, Any] = Field(description="simpletuner.config.scan's report of the folder at the given "
+                                             "resolution settings: captions, too-small images, buckets, batches")
+
+
+class UploadOut(BaseModel):
+    saved: list[str] = Field(description="paths written, relative to the dataset folder")
+    skipped: list[dict[str, str]] = Field(description="{name, reason} of each file that was refused")
+
+
+class CaptionBody(BaseModel):
+    caption: str = Field(max_length=65_536)
