@@ -54,6 +54,22 @@ class ConfigCreate(ConfigBody):
     comment: str = Field("", max_length=10_000)
 
 
+class ConfigImport(BaseModel):
+    """A config.json on the server's disk (e.g. one ``simpletuner configure`` wrote), stored as a named config."""
+
+    name: str = Field(pattern=NAME_PATTERN, max_length=200)
+    path: str = Field(min_length=1, max_length=4096, description="the config.json, under the allowed roots; its "
+                                                                 "data_backend_config (or a multidatabackend.json "
+                                                                 "beside it) gives the datasets")
+    description: str = Field("", max_length=10_000)
+
+
+class ConfigFileOut(BaseModel):
+    path: str
+    suggested_name: str
+    modified: float
+
+
 class ConfigUpdate(ConfigBody):
     description: str | None = Field(None, max_length=10_000)
     comment: str = Field("", max_length=10_000)
