@@ -94,8 +94,9 @@ class TensorCache:
 
 
 def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True,
-                      unreadable: list[tuple[Sample, str]] | None = None) -> int:
-    """Encode every sample whose latent is not cached yet; returns how many were encoded.
+                      unreadable: list[tuple[Sample, str]] | None = None, on_progress=None) -> int:
+    """Encode every sample whose latent is not cached yet; returns how many were encoded. ``on_progress(done,
+    total)`` is called after each batch (the trainer reports it to the server).
 
     A file that cannot be decoded is appended to ``unreadable`` as (sample, reason) and left out (with
     ``unreadable=None`` the error is raised instead). The adapter's ``latent_cache_entries`` gives what is stored
@@ -139,6 +140,8 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
             cache.save(key, entry)
         encoded += len(group)
         bar.update(len(group))
+        if on_progress is not None:
+            on_progress(i, len(todo))
     bar.close()
     return encoded
 
@@ -165,9 +168,9 @@ def negative_identity(text_identity: str) -> str:
 
 
 def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True, *,
-                    negative: bool = False) -> int:
+                    negative: bool = False, on_progress=None) -> int:
     """Encode every caption whose embedding is not cached yet (as negative prompts with ``negative``); returns how
-    many were encoded."""
+    many were encoded. ``on_progress(done, total)`` is called after each batch."""
     identity = adapter.text_cache_identity()
     encode = adapter.encode_prompts
     if negative:
@@ -179,4 +182,6 @@ def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size
         chunk = todo[start:start + batch_size]
         for caption, embedding in zip(chunk, encode(chunk)):
             cache.save(text_key(caption, identity), embedding.tensors)
+        if on_progress is not None:
+            on_progress(start + len(chunk), len(todo))
     return len(todo)

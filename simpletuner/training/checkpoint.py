@@ -135,11 +135,12 @@ def _fsync_tree(folder: Path) -> None:
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False,
-                    ema_state: dict | None = None) -> Path:
+                    ema_state: dict | None = None, extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
-    state; otherwise the main process saves the (replicated) one.
+    state; otherwise the main process saves the (replicated) one. ``extra(folder)`` (main process) writes more files
+    into the checkpoint before it is published (the LoRA as users load it), so they appear with it or not at all.
     """
     barrier = barrier or (lambda: None)
     root = Path(output_dir)
@@ -165,6 +166,8 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if ema_state is not None:
                 torch.save(ema_state, tmp / "ema.pt")
+            if extra is not None:
+                extra(tmp)
             meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
             _fsync_tree(tmp)

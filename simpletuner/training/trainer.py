@@ -157,7 +157,32 @@ def _evaluation_weights(config) -> list:
                          what="CLIP model", alternative="evaluation_type: none")]
 
 
-def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
+class StartupReport:
+    """Start-up stages sent to the server as ``status: starting`` events (``stage``, ``done`` of ``total``), so a
+    job page shows "caching VAE latents 40/120" rather than nothing; at most a few a second."""
+
+    def __init__(self, reporter: WebhookReporter | None, enabled: bool = True, every_s: float = 0.5):
+        self.reporter = reporter if enabled else None
+        self.every_s = every_s
+        self._last = 0.0
+
+    def stage(self, stage: str, done: int | None = None, total: int | None = None) -> None:
+        if self.reporter is None:
+            return
+        now = time.monotonic()
+        if done is not None and total and done < total and now - self._last < self.every_s:
+            return
+        self._last = now
+        info = {"stage": stage, **({"done": done, "total": total} if total else {})}
+        self.reporter.status("starting", **info)
+
+    def counter(self, stage: str):
+        """``on_progress(done, total)`` for a cache filler."""
+        return lambda done, total: self.stage(stage, done, total)
+
+
+def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None,
+                 startup: StartupReport | None = None) -> TrainData:
     """Discover samples (with their paired reference images and loss masks), fill the latent, mask and text caches
     (main process first), and build the bucket sampler from the samples that encoded (a file that cannot be decoded
     is skipped, named and counted, never fatal mid-run)."""
@@ -190,8 +215,10 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
+        startup = startup or StartupReport(None)
+        startup.stage("loading the VAE")
         latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show,
-                                            unreadable=unreadable)
+                                            unreadable=unreadable, on_progress=startup.counter("caching VAE latents"))
         if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
             fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         _drop_unreadable(datasets, unreadable)
@@ -200,8 +227,9 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
             captions.append("")
         if config.offload_during_startup:
             adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
+        startup.stage("loading the text encoders")
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
-                                           show_progress=show)
+                                           show_progress=show, on_progress=startup.counter("caching text embeds"))
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
@@ -421,11 +449,14 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                              weight_dtype=weight_dtype_for(config, accelerator.device),
                              references=backends.uses_references)
     preflight(config, adapter, accelerator.device, backends)
+    startup = StartupReport(reporter, enabled=accelerator.is_main_process)
+    startup.stage("reading the datasets")
     evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
-    data = prepare_data(config, backends, adapter, accelerator, evaluator)
+    data = prepare_data(config, backends, adapter, accelerator, evaluator, startup)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
+    startup.stage("loading the model")
     transformer = build_transformer(config, adapter, accelerator, generator)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = build_optimizer(config, param_groups(transformer, config, adapter_family(config).lr_scale))
@@ -480,7 +511,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), state.global_step
     accumulated = 0.0
-    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema)
+    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema, adapter)
     nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while state.global_step < max_steps:
@@ -614,9 +645,10 @@ def _load_trainable(model, state, config, source: str) -> None:
                          f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
 
 
-def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None):
+def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None, adapter=None):
     """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG, its optimizer shard when the
-    optimizer state is sharded); the main process adds the weights and publishes the folder."""
+    optimizer state is sharded); the main process adds the weights (and, for a LoRA, the LoRA file a pipeline
+    loads, so every checkpoint can be downloaded and used) and publishes the folder."""
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
     def save(state: RunState) -> None:
@@ -629,6 +661,8 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
             rank=accelerator.process_index, world_size=accelerator.num_processes,
             barrier=accelerator.wait_for_everyone, sharded_optimizer=sharded,
             ema_state=ema.state_dict() if ema is not None and main else None,
+            extra=(lambda folder: export_weights(config, adapter, accelerator.unwrap_model(transformer), folder))
+            if main and adapter is not None and config.model_type == "lora" else None,
         )
         if main:
             log.info("saved %s", path)
