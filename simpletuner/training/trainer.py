@@ -165,14 +165,15 @@ class StartupReport:
         self.reporter = reporter if enabled else None
         self.every_s = every_s
         self._last = 0.0
+        self._stage = None
 
     def stage(self, stage: str, done: int | None = None, total: int | None = None) -> None:
         if self.reporter is None:
             return
         now = time.monotonic()
-        if done is not None and total and done < total and now - self._last < self.every_s:
-            return
-        self._last = now
+        if stage == self._stage and done is not None and total and done < total and now - self._last < self.every_s:
+            return  # a new stage and the last count of one always go out
+        self._last, self._stage = now, stage
         info = {"stage": stage, **({"done": done, "total": total} if total else {})}
         self.reporter.status("starting", **info)
 
