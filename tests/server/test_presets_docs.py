@@ -44,3 +44,18 @@ def test_api_docs_need_no_internet(client):
     for url in urls:
         assert client.get(url).status_code == 200, url
     assert client.get("/redoc").status_code == 404  # FastAPI's ReDoc page loads from a CDN: not served
+
+
+def test_every_field_has_a_readable_label(client):
+    """The form's labels come from simpletuner/config/labels.py, never from pydantic's title-cased keys."""
+    from simpletuner.config import TrainConfig
+    from simpletuner.config.data import DatasetBackend, TextEmbedsBackend
+    from simpletuner.config.labels import DATASET_LABELS, TRAIN_LABELS
+
+    assert set(TRAIN_LABELS) == set(TrainConfig.model_fields)
+    assert set(DatasetBackend.model_fields) | set(TextEmbedsBackend.model_fields) <= set(DATASET_LABELS)
+    schema = client.get("/api/schema/train-config").json()["schema"]["properties"]
+    assert schema["max_train_steps"]["title"] == "Training steps" and schema["max_train_steps"]["basic"] is True
+    assert schema["lora_dropout"]["basic"] is False
+    backends = client.get("/api/schema/data-backends").json()
+    assert backends["dataset"]["properties"]["instance_data_dir"]["title"] == "Folder"
