@@ -84,6 +84,15 @@ def test_first_hour(page, server, tmp_path):
     assert stored.with_suffix(".txt").read_text() == "a photo of sks shapes\n"
     shot(page, "first-hour-dataset")
 
+    # ---- remove an image (asked first) ----
+    last = page.locator("#thumbs figure.thumb").last
+    gone = last.get_attribute("data-path")
+    last.locator("button", has_text="Remove").click()
+    answer_dialog(page)
+    until(page, "document.querySelectorAll('#thumbs figure.thumb').length === 11")
+    assert not (server.data_dir / "datasets" / "photos" / gone).exists()
+    assert page.locator('[data-fact="images"]').inner_text() == "11"
+
     # ---- a config from the tiny preset ----
     page.click("#new-config-link")
     page.wait_for_selector("body[data-ready]")

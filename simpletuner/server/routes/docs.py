@@ -1,4 +1,4 @@
-"""The API docs page, served offline: Swagger UI's own files come from the swagger-ui-bundle package (no CDN), so
+"""The API docs page, served offline: Swagger UI's own files come from the swagger-ui-bundle-v2 package (no CDN), so
 the page works behind a firewall and with no internet at all."""
 
 from __future__ import annotations

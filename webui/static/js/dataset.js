@@ -1,7 +1,7 @@
 // One dataset: upload files (or a folder, or a zip), see each image with its caption, edit a caption in place,
 // remove an image, and the scan: captions, too-small images, aspect buckets and batches at chosen settings.
 
-import { api, el, fmtBytes, sessionReady, toast, token } from "./api.js";
+import { api, confirmAction, el, fmtBytes, sessionReady, toast, token } from "./api.js";
 
 const name = document.body.dataset.dataset;
 const base = `/api/datasets/${encodeURIComponent(name)}`;
@@ -91,20 +91,14 @@ function thumb(item) {
   return card;
 }
 
-function confirmRemove(item, card) {
-  const dialog = document.getElementById("remove-dialog");
-  document.getElementById("remove-text").textContent = `Delete ${item.path} and its caption from the dataset folder? This cannot be undone.`;
-  dialog.returnValue = "";
-  dialog.showModal();
-  dialog.addEventListener("close", async () => {
-    if (dialog.returnValue !== "remove") return;
-    try {
-      await api(`${base}/files/${item.path.split("/").map(encodeURIComponent).join("/")}`, { method: "DELETE" });
-      card.remove();
-      toast(`Removed ${item.path}.`);
-      load();
-    } catch (e) { toast(e.message, { error: true }); }
-  }, { once: true });
+async function confirmRemove(item, card) {
+  if (!(await confirmAction(`Remove ${item.path}?`, `Delete ${item.path} and its caption from the dataset folder? This cannot be undone.`, "Remove"))) return;
+  try {
+    await api(`${base}/files/${item.path.split("/").map(encodeURIComponent).join("/")}`, { method: "DELETE" });
+    card.remove();
+    toast(`Removed ${item.path}.`);
+    load();
+  } catch (e) { toast(e.message, { error: true }); }
 }
 
 async function load(more = false) {

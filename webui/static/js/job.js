@@ -2,7 +2,7 @@
 // connection with Last-Event-ID), drawing progress, charts, images, checkpoints and the activity list.
 
 import {
-  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
+  api, confirmAction, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { LineChart } from "./chart.js";
 
@@ -405,16 +405,6 @@ function loadFilesSoon() {
 }
 
 // ---- actions -----------------------------------------------------------------------------------------
-/** Ask in a dialog; resolves true when the user confirms. */
-function confirmAction(title, text, yes) {
-  const dialog = document.getElementById("confirm-dialog");
-  document.getElementById("confirm-title").textContent = title;
-  document.getElementById("confirm-text").textContent = text;
-  document.getElementById("confirm-yes").textContent = yes;
-  dialog.returnValue = "";
-  dialog.showModal();
-  return new Promise((resolve) => dialog.addEventListener("close", () => resolve(dialog.returnValue === "yes"), { once: true }));
-}
 
 document.getElementById("cancel-button").addEventListener("click", async () => {
   const newest = newestCheckpoint();

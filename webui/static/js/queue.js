@@ -1,7 +1,7 @@
 // The queue: submit, filter, cancel, retry; rows follow the all-jobs event stream.
 
 import {
-  api, describeProcesses, el, fmtDuration, fmtNum, fmtTime, follow, gpuPreference, processesFor,
+  api, confirmAction, describeProcesses, el, fmtDuration, fmtNum, fmtTime, follow, gpuPreference, processesFor,
   progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { showErrors, clearErrors } from "./form.js";
@@ -57,15 +57,6 @@ async function retry(job, startOver) {
   }
 }
 
-function confirmAction(title, text, yes) {
-  const dialog = document.getElementById("confirm-dialog");
-  document.getElementById("confirm-title").textContent = title;
-  document.getElementById("confirm-text").textContent = text;
-  document.getElementById("confirm-yes").textContent = yes;
-  dialog.returnValue = "";
-  dialog.showModal();
-  return new Promise((resolve) => dialog.addEventListener("close", () => resolve(dialog.returnValue === "yes"), { once: true }));
-}
 
 function row(job) {
   const parts = progressCells(job);
