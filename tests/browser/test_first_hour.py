@@ -90,8 +90,8 @@ def test_first_hour(page, server, tmp_path):
     last.locator("button", has_text="Remove").click()
     answer_dialog(page)
     until(page, "document.querySelectorAll('#thumbs figure.thumb').length === 11")
+    until(page, "document.querySelector('[data-fact=images]').textContent === '11'")  # the scan follows
     assert not (server.data_dir / "datasets" / "photos" / gone).exists()
-    assert page.locator('[data-fact="images"]').inner_text() == "11"
 
     # ---- a config from the tiny preset ----
     page.click("#new-config-link")
@@ -246,6 +246,8 @@ def test_unsaved_changes_prompt_and_import(page, server, tmp_path):
     page.locator("#ok-summary").wait_for(state="visible")
     assert "valid" in page.locator("#ok-summary").inner_text()
     assert field(page, "data_backends[sample].instance_data_dir").input_value() == "datasets/sample"
+    # validate's data summary, as the CLI prints it
+    assert page.locator("#data-summary li").first.inner_text().startswith("datasets[sample] (image): 12 images")
     # a bare config.json naming its data_backend_config (config/multidatabackend.json in the server's working
     # dir, as in a SimpleTuner checkout): that file is read, not a placeholder dataset
     (server.workdir / "config").mkdir(exist_ok=True)

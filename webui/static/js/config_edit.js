@@ -368,9 +368,11 @@ function clearAll() {
   for (const link of document.querySelectorAll("#toc a")) link.classList.remove("bad");
 }
 
-function showOk(text, warnings = []) {
+function showOk(text, warnings = [], data = null) {
   const box = document.getElementById("ok-summary");
   box.replaceChildren(el("strong", {}, text));
+  const summary = (data && data.summary) || [];
+  if (summary.length) box.append(el("ul", { class: "data-summary", id: "data-summary" }, summary.map((line) => el("li", {}, line))));
   if (warnings.length) box.append(el("ul", { class: "warn-list" }, warnings.map((w) => el("li", {}, w))));
   box.hidden = false;
 }
@@ -386,7 +388,7 @@ async function validate() {
   clearAll();
   try {
     const r = await api("/api/configs/validate", { method: "POST", body: body() });
-    if (r.valid) showOk("The config is valid.", r.warnings);
+    if (r.valid) showOk("The config is valid.", r.warnings, r.data);
     else reportErrors(r.errors);
   } catch (e) { failed(e); }
 }
