@@ -166,6 +166,9 @@ def test_scan_summary_follows_the_resolution_settings(client, dataset):
     d = scan["datasets"][0]
     assert d["too_small"] == 1 and d["buckets"] == {"128x64": 1} and d["batches"] == 1
     assert any("smaller than 48" in w for w in scan["warnings"])
+    bad = client.get("/api/datasets/cats", params={"resolution": 99999})  # found by schemathesis: was a 500
+    assert bad.status_code == 422 and bad.json()["errors"][0]["path"] == "resolution"
+    assert client.get("/api/datasets/cats", params={"model_family": "nope"}).status_code == 422
 
 
 def _validate(client, backends):

@@ -203,7 +203,10 @@ def get_dataset(
     train_batch_size: Annotated[int, Query(ge=1, le=65_536)] = 1,
     model_family: Annotated[str, Query(max_length=100)] = "flux",
 ) -> DatasetDetail:
+    from pydantic import ValidationError
+
     from simpletuner.config import ConfigError, DatasetBackend, get_family
+    from simpletuner.config.errors import errors_from_validation
 
     row = _row(request, name)
     folder = _folder(request, row)
@@ -214,6 +217,8 @@ def get_dataset(
             "resolution_type": resolution_type, "minimum_image_size": minimum_image_size})
     except ConfigError as exc:
         raise InvalidConfig([FieldProblem(e.path, e.message) for e in exc.errors]) from None
+    except ValidationError as exc:  # e.g. a resolution past the largest the schema takes
+        raise InvalidConfig([FieldProblem(e.path, e.message) for e in errors_from_validation(exc)]) from None
     found = check_dataset(dataset, dataset, family=family, batch_size=train_batch_size, base=folder,
                           roots=deps.settings(request).resolved_allowed_roots())
     files = media_files(folder, video=True) if folder.is_dir() else []
