@@ -282,3 +282,22 @@ def test_api_docs_work_offline(page, server):
     assert "SimpleTuner server" in page.locator(".swagger-ui .info .title").inner_text()
     assert page.locator(".opblock-tag", has_text="datasets").count() == 1
     assert blocked == []
+
+
+def test_allowing_a_folder(page, server, tmp_path):
+    """A folder outside the allowed roots is refused with how to allow it; one inside is used as it is."""
+    page.goto(f"{server.url}/datasets")
+    page.wait_for_selector("body[data-ready]")
+    page.fill("#dataset-name", "elsewhere")
+    page.fill("#dataset-path", str(tmp_path))
+    page.click("#create-dataset")
+    err = page.locator('[data-path="path"] .err')
+    err.wait_for(state="visible")
+    assert f"--allowed-root {tmp_path}" in err.inner_text()
+    page.fill("#dataset-name", "sample")
+    page.fill("#dataset-path", "datasets/sample")
+    page.click("#create-dataset")
+    page.wait_for_url("**/datasets/sample")
+    page.wait_for_selector("body[data-ready]")
+    assert page.locator("#thumbs figure.thumb").count() == 12
+    assert "(your folder)" in page.locator("#dataset-sub").inner_text()
