@@ -140,6 +140,10 @@ def test_uploads_are_size_limited(settings_factory, tmp_path):
         assert r.status_code == 413 and "4096" in r.json()["detail"]
         r = upload(c, "big", ("small.png", png((8, 8)), "image/png"))
         assert r.status_code == 200 and r.json()["saved"] == ["small.png"]
+        # a body of unannounced length (chunked) is refused before it is read
+        chunked = c.post("/api/datasets/big/files", content=iter([b"--x\r\n", b"0" * 10_000]),
+                         headers={"Content-Type": "multipart/form-data; boundary=x"})
+        assert chunked.status_code == 411
     assert sorted(p.name for p in (tmp_path / "data" / "datasets" / "big").iterdir()) == ["small.png"]
 
 
