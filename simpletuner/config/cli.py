@@ -1,7 +1,10 @@
 """``simpletuner validate``: check config.json and multidatabackend.json without training (and without torch).
 
-Prints every problem as ``FILE: path: message``, warnings as ``warning: ...``, then ``OK`` when there are no
-errors. Exit status 1 on errors, 0 otherwise (warnings, such as missing dataset folders, do not fail it).
+Prints what each dataset folder holds (images, captions, sizes, buckets, batches; see
+:mod:`simpletuner.config.scan`), every problem as ``FILE: path: message``, warnings as ``warning: ...``, then ``OK``
+when there are no errors. Exit status 1 on errors (a missing dataset folder, missing captions, no batch that can
+be formed, ...), 0 otherwise; warnings (settings that will do nothing) do not fail it. ``--no-scan`` checks the
+files alone, for a config that trains on another machine.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .data import check_paths, data_backend_beside, found_beside_message, load_data_backends
+from .data import data_backend_beside, found_beside_message, load_data_backends
 from .errors import ConfigError, FieldError
 from .loader import dump_train_config, load_train_config, parse_extra_args, prepare_train_config
 from .requirements import missing_packages
+from .scan import scan_data
 from .train import check_train_paths, flavour_path_errors
 
 DEFAULT_CONFIG = os.path.join("config", "config.json")
@@ -31,6 +35,7 @@ class ValidationReport:
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] | None = None
     datasets: list[str] = field(default_factory=list)
+    data: dict[str, Any] | None = None  # the data scan (DataScan.to_dict()), when it ran
 
     @property
     def ok(self) -> bool:
@@ -45,10 +50,10 @@ def _prefixed(source: str | None, lines: list[str]) -> list[str]:
 
 
 def validate_files(config_path: str, data_backend_config: str | None = None,
-                   overrides: dict[str, Any] | None = None) -> ValidationReport:
+                   overrides: dict[str, Any] | None = None, scan: bool = True) -> ValidationReport:
     """Validate ``config_path`` (with ``overrides``, as ``train`` would apply them), the packages its options need,
     and its data backends (``data_backend_config``, the config's own setting, or a ``multidatabackend.json`` beside
-    the config file).
+    the config file); with ``scan``, also what the dataset folders hold (:func:`~simpletuner.config.scan.scan_data`).
 
     Relative paths are resolved against the working directory, as SimpleTuner does.
     """
@@ -95,8 +100,14 @@ def validate_files(config_path: str, data_backend_config: str | None = None,
     except ConfigError as exc:
         report.add(exc)
     else:
-        report.warnings += _prefixed(data_path, backends.warnings + check_paths(backends))
+        report.warnings += _prefixed(data_path, backends.warnings)
         report.datasets = [d.id for d in backends.datasets]
+        if scan and config is not None:
+            found = scan_data(config, backends)
+            report.data = found.to_dict()
+            report.errors += [(data_path if e.path.startswith("datasets") else config_path, e) for e in found.errors]
+            report.warnings += [f"{data_path if w.startswith('datasets') else config_path}: {w}"
+                                for w in found.warnings]
     return report
 
 
@@ -112,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value as train does, e.g. --set model_flavour=tiny (repeatable)")
+    parser.add_argument("--no-scan", "--no_scan", dest="scan", action="store_false",
+                        help="do not look into the dataset folders (for a config that trains on another machine)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -124,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --set {item!r}: expected KEY=VALUE", file=sys.stderr)
             return 2
         overrides[key.strip()] = value
-    report = validate_files(args.config, args.data_backend_config, overrides or None)
+    report = validate_files(args.config, args.data_backend_config, overrides or None, scan=args.scan)
     if args.json:
         payload = {
             "ok": report.ok,
@@ -133,18 +146,27 @@ def run(args: argparse.Namespace) -> int:
             "notes": report.notes,
             "config": report.config,
             "datasets": report.datasets,
+            "data": report.data,
         }
         print(json.dumps(payload, indent=2))
         return 0 if report.ok else 1
-    for note in report.notes:
-        print(note)
-    for warning in report.warnings:
-        print(f"warning: {warning}")
-    for source, error in report.errors:
-        print(f"{source}: {error}" if source else str(error))
+    print_report(report)
     if report.ok:
         print("OK")
         return 0
     count = len(report.errors)
     print(f"{count} error{'s' if count != 1 else ''}", file=sys.stderr)
     return 1
+
+
+def print_report(report: ValidationReport) -> None:
+    """The report as ``validate`` prints it (the wizard ends with it too): notes, the data summary, warnings,
+    errors."""
+    for note in report.notes:
+        print(note)
+    for line in (report.data or {}).get("summary", []):
+        print(line)
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    for source, error in report.errors:
+        print(f"{source}: {error}" if source else str(error))

@@ -2,8 +2,9 @@
 
 Errors name entries ``datasets[<id>].<key>`` (``datasets[<n>]``, the 0-based position, when an entry has no
 usable id). Unknown keys are warnings, not errors; SimpleTuner's documented keys that are not fields here are
-handled as :mod:`simpletuner.config.simpletuner_keys` says. Whether folders exist is checked separately by
-:func:`check_paths`, because a config may be validated on a machine other than the one that trains.
+handled as :mod:`simpletuner.config.simpletuner_keys` says. What the folders hold is checked separately by
+:func:`simpletuner.config.scan.scan_data`, because a config may be validated on a machine other than the one that
+trains.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -115,8 +115,9 @@ class DatasetBackend(StrictModel):
     crop_aspect: Literal["square", "preserve", "closest", "random"] = _field(
         "square", "aspect ratio of crops"
     )
-    caption_strategy: Literal["filename", "textfile", "instanceprompt"] = _field(
-        "filename", "captions from the file name, a .txt next to the image, or instance_prompt"
+    caption_strategy: Optional[Literal["filename", "textfile", "instanceprompt"]] = _field(
+        None, "captions from the file name, a .txt next to the image, or instance_prompt; empty = 'textfile' when "
+              "the folder has .txt captions, else 'filename'"
     )
     instance_prompt: Optional[str] = _field(None, "caption of every image (caption_strategy 'instanceprompt')")
     repeats: Int = _field(0, "extra times each image is seen per epoch (0 = once)", ge=0, le=1_000_000)
@@ -454,26 +455,6 @@ def load_data_backends(
         if errors:
             raise ConfigError(errors, name)
     return backends
-
-
-def check_paths(backends: DataBackends, cwd: str | os.PathLike[str] | None = None) -> list[str]:
-    """Warnings (``path: message``) for dataset folders that do not exist or hold no files.
-
-    Relative folders are taken from ``cwd`` (default: the working directory), as SimpleTuner does.
-    """
-    base = Path(cwd) if cwd is not None else Path.cwd()
-    warnings = []
-    for index, dataset in enumerate(backends.datasets):
-        folder = Path(dataset.instance_data_dir).expanduser()
-        folder = folder if folder.is_absolute() else base / folder
-        where = f"datasets[{dataset.id}].instance_data_dir"
-        if not folder.exists():
-            warnings.append(f"{where}: folder {dataset.instance_data_dir!r} does not exist")
-        elif not folder.is_dir():
-            warnings.append(f"{where}: {dataset.instance_data_dir!r} is not a folder")
-        elif next(folder.iterdir(), None) is None:
-            warnings.append(f"{where}: folder {dataset.instance_data_dir!r} is empty")
-    return warnings
 
 
 DEFAULT_DATA_BACKEND_NAME = "multidatabackend.json"

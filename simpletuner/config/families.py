@@ -47,6 +47,8 @@ class ModelFamily:
     num_text_encoders: int = 1
     # "image" or "video": what its datasets hold and what validation writes (images train as 1-frame videos)
     modality: str = "image"
+    # pixel multiple a training image's bucket has (VAE downscale x patch size); the adapter uses the same
+    resolution_multiple: int = 16
     # the longest prompt (in tokens) its main text encoder takes; ``tokenizer_max_length`` is checked against it
     max_text_length: int | None = None
     # its transformer can mask padded text tokens in attention (``attention_masked_training``)
@@ -171,6 +173,7 @@ LTXVIDEO = ModelFamily(
     lora_targets=("all", "all+ffs"),
     default_lora_target="all",
     modality="video",
+    resolution_multiple=32,
 )
 
 HUNYUANVIDEO = ModelFamily(
@@ -260,6 +263,7 @@ SANA = ModelFamily(
     default_flavour="sana1.5-4.8b-1024",
     lora_targets=("attention", "self-attention", "all+ffs"),
     default_lora_target="attention",
+    resolution_multiple=32,
 )
 
 LUMINA2 = ModelFamily(
@@ -383,6 +387,7 @@ SDXL = ModelFamily(
         flavour: MappingProxyType({"prediction_type": "v_prediction", "rescale_betas_zero_snr": True})
         for flavour in ("noobai-vpred-1.0", "terminus-xl-velocity-v2")
     }),
+    resolution_multiple=32,
 )
 
 KOLORS = ModelFamily(
@@ -395,6 +400,7 @@ KOLORS = ModelFamily(
     default_lora_target="attention",
     objectives=("epsilon", "v_prediction"),
     num_text_encoders=1,
+    resolution_multiple=32,
 )
 
 _FAMILIES: dict[str, ModelFamily] = {

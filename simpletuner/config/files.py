@@ -1,12 +1,12 @@
 """Torch-free checks of files the trainer writes, shared by the server (reconciling a run from its folder) and the
-data layer (cache entries)."""
+data layer (cache entries), and the one atomic text writer of the config layer and the server."""
 
 from __future__ import annotations
 
 import json
 import os
 import struct
-import tempfile
+import threading
 from pathlib import Path
 
 
@@ -39,16 +39,22 @@ def read_json(path: str | os.PathLike[str]) -> dict | None:
 
 
 def write_json(path: str | os.PathLike[str], data, indent: int | None = 2) -> None:
-    """Write JSON atomically (temp file, fsync, rename): a reader sees the old file or the new one, never half of
+    """Write JSON atomically (``write_text_atomic``): a reader sees the old file or the new one, never half of
     one, even after a crash."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    write_text_atomic(path, json.dumps(data, indent=indent))
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of it: a temporary
+    file beside it, flushed, then renamed over it. Missing parent folders are made."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=indent)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -110,9 +110,11 @@ def shard_of(items: list, shard: tuple[int, int] | None) -> list:
 
 
 def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_size: int, show_progress=True,
-                      unreadable: list[tuple[Sample, str]] | None = None, *, references: bool = False,
-                      shard: tuple[int, int] | None = None, on_saved: Callable[[str], None] | None = None) -> int:
-    """Encode every sample whose latent is not cached yet; returns how many were encoded.
+                      unreadable: list[tuple[Sample, str]] | None = None, on_progress=None, *,
+                      references: bool = False, shard: tuple[int, int] | None = None,
+                      on_saved: Callable[[str], None] | None = None) -> int:
+    """Encode every sample whose latent is not cached yet; returns how many were encoded. ``on_progress(done,
+    total)`` is called after each batch (the trainer reports it to the server).
 
     A file that cannot be decoded is appended to ``unreadable`` as (sample, reason) and left out (with
     ``unreadable=None`` the error is raised instead). The adapter's ``latent_cache_entries`` gives what is stored
@@ -161,6 +163,8 @@ def fill_latent_cache(samples_by_cache: dict[str, list[Sample]], adapter, batch_
                 on_saved(key)
         encoded += len(group)
         bar.update(len(group))
+        if on_progress is not None:
+            on_progress(i, len(todo))
     bar.close()
     return encoded
 
@@ -188,11 +192,11 @@ def negative_identity(text_identity: str) -> str:
 
 def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size: int, show_progress=True, *,
                     negative: bool = False, references: list[Sample] | None = None,
-                    shard: tuple[int, int] | None = None) -> int:
+                    shard: tuple[int, int] | None = None, on_progress=None) -> int:
     """Encode every caption whose embedding is not cached yet (as negative prompts with ``negative``); returns how
     many were encoded (with ``shard``, of this rank's share of the distinct captions). ``references`` (one per
     caption) are the reference images the captions are encoded with, for a family whose prompt embedding sees the
-    image it edits (``adapter.prompt_takes_reference``)."""
+    image it edits (``adapter.prompt_takes_reference``). ``on_progress(done, total)`` is called after each batch."""
     identity = adapter.text_cache_identity()
     if negative:
         identity = negative_identity(identity)
@@ -216,4 +220,6 @@ def fill_text_cache(captions: list[str], adapter, cache: TensorCache, batch_size
             embeddings = (adapter.encode_negative_prompts if negative else adapter.encode_prompts)(prompts)
         for (key, _), embedding in zip(chunk, embeddings):
             cache.save(key, embedding.tensors)
+        if on_progress is not None:
+            on_progress(start + len(chunk), len(items))
     return len(todo)

@@ -10,19 +10,17 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image, ImageOps
 
 from simpletuner.config import paths
+from simpletuner.config.buckets import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, BucketRule, plan_image, seed_key
+from simpletuner.config.buckets import bucket_size  # noqa: F401  (the data layer's name for it)
+from simpletuner.config.scan import chosen_caption_strategy, media_files
 
 log = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-# aspect ratios used by crop_aspect "closest" / "random"
-CROP_ASPECTS = (1.0, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16)
 
 
 class DatasetError(ValueError):
@@ -67,87 +65,19 @@ class DatasetSamples:
     probability: float = 1.0  # relative chance of a batch coming from this dataset (see sampler.py)
 
 
-def _round_to(x: float, multiple: int) -> int:
-    return max(multiple, int(round(x / multiple)) * multiple)
+def bucket_rule(backend, defaults) -> BucketRule:
+    """The dataset's size settings, its empty resolution fields filled from ``defaults`` (the TrainConfig)."""
+    return BucketRule(
+        resolution=backend.resolution or defaults.resolution,
+        resolution_type=backend.resolution_type or defaults.resolution_type,
+        minimum=backend.minimum_image_size, maximum=backend.maximum_image_size,
+        downsample=backend.target_downsample_size, crop=bool(backend.crop),
+        crop_aspect=backend.crop_aspect or "square", crop_style=backend.crop_style or "center")
 
 
-def _area_pixels(resolution: float, resolution_type: str) -> float:
-    if resolution_type == "area":  # megapixels, 1.0 == 1024**2 as in SimpleTuner
-        return float(resolution) * 1024**2
-    return float(resolution) ** 2  # pixel_area: an edge length meaning that edge squared
-
-
-def bucket_size(width: int, height: int, resolution: float, resolution_type: str, multiple: int) -> tuple[int, int]:
-    """The (width, height) an image of this size trains at."""
-    aspect = width / height
-    if resolution_type == "pixel":  # shorter edge == resolution
-        short = float(resolution)
-        w, h = (short * aspect, short) if aspect >= 1 else (short, short / aspect)
-    else:
-        area = _area_pixels(resolution, resolution_type)
-        w, h = math.sqrt(area * aspect), math.sqrt(area / aspect)
-    return _round_to(w, multiple), _round_to(h, multiple)
-
-
-def _size_measure(width: int, height: int, resolution_type: str) -> float:
-    """An image's size in the units of the dataset's resolution_type (edge px, megapixels, or edge of area)."""
-    if resolution_type == "pixel":
-        return min(width, height)
-    if resolution_type == "area":
-        return width * height / 1024**2
-    return math.sqrt(width * height)
-
-
-def _crop_target(backend, width, height, resolution, resolution_type, multiple, rng) -> tuple[int, int]:
-    aspect_mode = getattr(backend, "crop_aspect", "square") or "square"
-    if aspect_mode == "preserve":
-        return bucket_size(width, height, resolution, resolution_type, multiple)
-    if aspect_mode == "square":
-        aspect = 1.0
-    elif aspect_mode == "closest":
-        aspect = min(CROP_ASPECTS, key=lambda a: abs(math.log(a) - math.log(width / height)))
-    else:  # random
-        aspect = rng.choice(CROP_ASPECTS)
-    return bucket_size(int(1000 * aspect), 1000, resolution, resolution_type, multiple)
-
-
-def plan_image(backend, path: Path, width: int, height: int, defaults, multiple: int, seed_key: str):
-    """Decide (target_size, resize_to, crop_box) for one image, or None with a reason to skip it."""
-    resolution = getattr(backend, "resolution", None) or defaults.resolution
-    resolution_type = getattr(backend, "resolution_type", None) or defaults.resolution_type
-    minimum = getattr(backend, "minimum_image_size", None)
-    if minimum and _size_measure(width, height, resolution_type) < float(minimum):
-        return None, f"smaller than minimum_image_size={minimum} ({width}x{height})"
-    rng = random.Random(seed_key)
-    downsampled = False
-    if getattr(backend, "crop", False):
-        maximum = getattr(backend, "maximum_image_size", None)
-        downsample = getattr(backend, "target_downsample_size", None)
-        if maximum and downsample and _size_measure(width, height, resolution_type) > float(maximum):
-            width, height = bucket_size(width, height, downsample, resolution_type, 1)
-            downsampled = True
-        target = _crop_target(backend, width, height, resolution, resolution_type, multiple, rng)
-    else:
-        target = bucket_size(width, height, resolution, resolution_type, multiple)
-    tw, th = target
-    if downsampled and width >= tw and height >= th:
-        # an oversized image is shrunk to target_downsample_size and the crop is a region of it (a detail crop)
-        rw, rh = width, height
-    else:
-        scale = max(tw / width, th / height)
-        rw, rh = max(tw, math.ceil(width * scale)), max(th, math.ceil(height * scale))
-    style = getattr(backend, "crop_style", "center") or "center"
-    if style == "random" and getattr(backend, "crop", False):
-        left, top = rng.randint(0, rw - tw), rng.randint(0, rh - th)
-    elif style == "corner" and getattr(backend, "crop", False):
-        left, top = 0, 0
-    else:
-        left, top = (rw - tw) // 2, (rh - th) // 2
-    return (target, (rw, rh), (left, top, left + tw, top + th)), None
-
-
-def read_caption(backend, path: Path) -> str:
-    strategy = getattr(backend, "caption_strategy", "filename") or "filename"
+def read_caption(backend, path: Path, strategy: str | None = None) -> str:
+    """``path``'s caption under ``strategy`` (default: the dataset's caption_strategy, else 'filename')."""
+    strategy = strategy or getattr(backend, "caption_strategy", None) or "filename"
     if strategy == "instanceprompt":
         return backend.instance_prompt
     if strategy == "textfile":
@@ -165,7 +95,7 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
     """All usable images (and, for a video family, videos) of one dataset backend, sorted by path (the sampler
     shuffles). ``temporal_compression``: the video family's frames per latent frame (clips are ``k * it + 1`` frames
     long); None for an image family. Unreadable or unusable files are skipped with a warning naming them."""
-    from simpletuner.data.video import VIDEO_EXTENSIONS, plan_clips, probe
+    from simpletuner.data.video import plan_clips, probe
 
     root = Path(backend.instance_data_dir).expanduser()
     if not root.is_dir():
@@ -176,8 +106,9 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
     result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0),
                             probability=float(getattr(backend, "probability", 1.0) or 1.0))
     video = temporal_compression is not None
-    wanted = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
-    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in wanted and p.is_file())
+    files = media_files(root, video)
+    strategy = chosen_caption_strategy(backend, files)
+    rule = bucket_rule(backend, defaults)
     roots = paths.roots_from_env()
     for path in files:
         if roots is not None and not all(paths.within(os.path.realpath(p), roots)
@@ -203,13 +134,13 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
         else:
             clips = [(0,)] if video else [None]
         stat = path.stat()
-        seed_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-        plan, reason = plan_image(backend, path, width, height, defaults, multiple, seed_key)
+        plan, reason = plan_image(rule, width, height, multiple,
+                                  seed_key(str(path.resolve()), stat.st_size, stat.st_mtime_ns))
         if plan is None:
             result.skipped.append((str(path), reason))
             continue
         target, resize_to, crop_box = plan
-        caption = read_caption(backend, path)
+        caption = read_caption(backend, path, strategy)
         for frames in clips:
             result.samples.append(Sample(
                 dataset_id=backend.id, path=str(path.resolve()), caption=caption,
@@ -293,7 +224,7 @@ def load_pixels(sample: Sample):
     decoded."""
     import torch
 
-    from simpletuner.data.video import VIDEO_EXTENSIONS, decode_frames
+    from simpletuner.data.video import decode_frames
 
     if Path(sample.path).suffix.lower() in VIDEO_EXTENSIONS:
         frames = decode_frames(sample.path, sample.frame_indices)

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
+from simpletuner.config.buckets import VIDEO_EXTENSIONS  # noqa: F401  (what counts as a video file)
 # SimpleTuner's default clip length when num_frames is not set: five seconds
 DEFAULT_SECONDS = 5
 

@@ -84,6 +84,7 @@ class ValidationImage:
     image: object  # PIL image (a video's first frame)
     video_path: Path | None = None  # the mp4 of a video family
     num_frames: int | None = None
+    seed: int | None = None  # the generator seed it was made with
 
     @property
     def name(self) -> str:
@@ -202,7 +203,7 @@ class ValidationRunner:
                         video_path = path.with_suffix(".mp4")
                         write_mp4(video_path, frames, self.adapter.validation_fps())
                     result = ValidationImage(item.nickname, item.prompt, (width, height), path, frames[0],
-                                             video_path, len(frames) if video_path else None)
+                                             video_path, len(frames) if video_path else None, self.seed)
                     results.append(result)
                     if self.on_image is not None:
                         self.on_image(result, step)

@@ -47,7 +47,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """Build the server: database (tables created if missing), token, job manager, routes."""
     from fastapi.staticfiles import StaticFiles
 
-    from .routes import configs, datasets, events, jobs, schema, system, ui, workers
+    from .routes import configs, datasets, docs, events, jobs, presets, schema, system, ui, workers
 
     settings = settings or ServerSettings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             manager.stop()
             db.dispose()
 
-    app = FastAPI(title="SimpleTuner server", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    # the docs page is ours (routes/docs.py): FastAPI's own loads Swagger UI and ReDoc from a CDN
+    app = FastAPI(title="SimpleTuner server", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.db = db
     app.state.broker = broker
@@ -120,7 +122,10 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(datasets.router, dependencies=auth)
     app.include_router(schema.router, dependencies=auth)
     app.include_router(workers.router)  # per-route auth: API token for tokens, worker tokens for workers
+    app.include_router(presets.router, dependencies=auth)
+    app.include_router(docs.router)
     app.include_router(ui.router)  # the web UI's pages, "/" included
+    app.mount(docs.ASSETS, StaticFiles(directory=docs.assets_dir()), name="swagger")  # before /static: it wins
     app.mount("/static", StaticFiles(directory=ui.STATIC), name="static")
     app.add_middleware(RequestGuard, settings=settings)
     return app

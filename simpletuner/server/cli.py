@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a reverse proxy's (repeatable)")
     parser.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                         help="largest request body accepted (default 8 MiB; trainer webhooks: 32 MiB)")
+    parser.add_argument("--max-upload-bytes", type=int, default=1024 * 1024 * 1024,
+                        help="largest dataset upload (one request, and any one file in it; default 1 GiB)")
     parser.add_argument("--launcher", choices=("accelerate", "python"), default="accelerate",
                         help="how jobs start: accelerate launch (default) or plain python for one process")
     parser.add_argument("--cancel-grace", type=float, default=15.0,
@@ -71,6 +73,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         allowed_hosts=args.allowed_hosts,
         allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
+        max_upload_bytes=args.max_upload_bytes,
         allowed_roots=args.allowed_roots,
         public_url=args.public_url,
         launcher=args.launcher,

@@ -1,4 +1,4 @@
-"""SQL tables (configs, config versions, jobs, job events) and session helpers (SQLAlchemy 2)."""
+"""SQL tables (configs, config versions, jobs, job events, datasets) and session helpers (SQLAlchemy 2)."""
 
 from __future__ import annotations
 
@@ -142,6 +142,18 @@ class JobEventRow(Base):
     time: Mapped[float] = mapped_column(Float)
     data: Mapped[dict] = mapped_column(JSON)
     received_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class DatasetRow(Base):
+    """A dataset the web UI shows: a folder of uploads under the data dir, or a folder the user allowed (inside
+    the server's allowed roots)."""
+
+    __tablename__ = "datasets"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True, index=True)
+    path: Mapped[str] = mapped_column(Text)
+    uploaded: Mapped[bool] = mapped_column(Boolean, default=True)  # False: the user's own folder, added by path
+    created_at: Mapped[float] = mapped_column(Float, default=now)
 
 
 class Database:

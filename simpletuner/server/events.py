@@ -121,6 +121,9 @@ def _fold(job: JobRow, event: WebhookEvent, data: dict) -> None:
         if isinstance(metrics, dict):
             results["scores"] = {**(results.get("scores") or {}), **metrics}
             results["scores_step"] = data.get("step")
+    elif kind == "status" and data.get("status") == "starting":
+        # start-up stages (loading, caching N/M) stand in for progress until the first step
+        job.progress = {k: data[k] for k in ("stage", "done", "total") if k in data} | {"time": event.time}
     elif kind == "status":
         status = data.get("status")
         results["trainer_status"] = status

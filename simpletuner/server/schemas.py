@@ -55,6 +55,22 @@ class ConfigCreate(ConfigBody):
     comment: str = Field("", max_length=10_000)
 
 
+class ConfigImport(BaseModel):
+    """A config.json on the server's disk (e.g. one ``simpletuner configure`` wrote), stored as a named config."""
+
+    name: str = Field(pattern=NAME_PATTERN, max_length=200)
+    path: str = Field(min_length=1, max_length=4096, description="the config.json, under the allowed roots; its "
+                                                                 "data_backend_config (or a multidatabackend.json "
+                                                                 "beside it) gives the datasets")
+    description: str = Field("", max_length=10_000)
+
+
+class ConfigFileOut(BaseModel):
+    path: str
+    suggested_name: str
+    modified: float
+
+
 class ConfigUpdate(ConfigBody):
     description: str | None = Field(None, max_length=10_000)
     comment: str = Field("", max_length=10_000)
@@ -95,6 +111,9 @@ class ValidateOut(BaseModel):
     valid: bool
     errors: list[FieldErrorOut] = []
     warnings: list[str] = []
+    data: dict[str, Any] | None = Field(None, description="what the dataset folders hold: per dataset its images, "
+                                                          "videos, captions, too-small and unreadable files, aspect "
+                                                          "buckets and batches per epoch, plus summary lines")
 
 
 class DataBackendsBody(BaseModel):
@@ -298,6 +317,50 @@ class DatasetScan(BaseModel):
     images_with_captions: int = 0
     subdirs: int = 0
     examples: list[str] = []
+
+
+class DatasetCreate(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN, max_length=200, description="the dataset's name (its folder's name "
+                                                                         "when it holds uploads)")
+    path: str | None = Field(None, max_length=4096, description="an existing folder under the server's allowed "
+                                                                 "roots to use as it is; empty: a new folder for "
+                                                                 "uploads in the server's data dir")
+
+
+class DatasetOut(BaseModel):
+    name: str
+    path: str
+    uploaded: bool = Field(description="True: a folder of uploads in the data dir; False: the user's own folder")
+    exists: bool
+    created_at: float
+    files: int = Field(0, description="images and videos")
+    captioned: int = Field(0, description="of them with a .txt caption beside them")
+
+
+class DatasetFile(BaseModel):
+    path: str = Field(description="relative to the dataset folder")
+    kind: Literal["image", "video"]
+    caption: str | None = Field(None, description="its .txt caption (null: none)")
+    width: int | None = None
+    height: int | None = None
+    bytes: int = 0
+
+
+class DatasetDetail(DatasetOut):
+    items: list[DatasetFile]
+    total: int
+    offset: int
+    scan: dict[str, Any] = Field(description="simpletuner.config.scan's report of the folder at the given "
+                                             "resolution settings: captions, too-small images, buckets, batches")
+
+
+class UploadOut(BaseModel):
+    saved: list[str] = Field(description="paths written, relative to the dataset folder")
+    skipped: list[dict[str, str]] = Field(description="{name, reason} of each file that was refused")
+
+
+class CaptionBody(BaseModel):
+    caption: str = Field(max_length=65_536)
 
 
 # ---- workers ------------------------------------------------------------------------------------------

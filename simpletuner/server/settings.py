@@ -68,6 +68,7 @@ class ServerSettings:
     log_tail_lines: int = 60
     max_event_bytes: int = 32 * 1024 * 1024  # a trainer webhook (validation images ride in it)
     max_request_bytes: int = 8 * 1024 * 1024  # any other request body
+    max_upload_bytes: int = 1024 * 1024 * 1024  # one dataset upload request (and any one file in it)
     sse_keepalive: float = 15.0
     run_scheduler: bool = True
     # The server's own machine runs jobs too (one worker among the others); off: only `simpletuner worker`s do.
@@ -101,8 +102,13 @@ class ServerSettings:
         return max(1, len(self.resolved_accelerators()))
 
     def resolved_allowed_roots(self) -> list[Path]:
+        """The folders jobs may read and write; the data dir's ``datasets/`` (uploads) is always one of them."""
         roots = self.allowed_roots if self.allowed_roots is not None else [self.data_dir, self.workdir]
-        return [Path(r).expanduser().resolve() for r in roots]
+        resolved = [Path(r).expanduser().resolve() for r in roots]
+        uploads = (self.data_dir / "datasets").resolve()
+        if not any(uploads == r or r in uploads.parents for r in resolved):
+            resolved.append(uploads)
+        return resolved
 
     def webhook_base_url(self) -> str:
         if self.public_url:

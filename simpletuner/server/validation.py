@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from simpletuner.config import paths
+from simpletuner.config.scan import scan_data
 
 logger = logging.getLogger("simpletuner.server")
 
@@ -31,12 +32,14 @@ class Checked:
     prompt_library: dict | None
     frozen: dict | None = None  # every setting, defaults resolved (what the trainer will read)
     warnings: list[str] = field(default_factory=list)
+    data: dict | None = None  # what the dataset folders hold (simpletuner.config.scan.DataScan.to_dict())
     schema_version: int | None = None
 
 
 class InvalidConfig(Exception):
-    def __init__(self, errors: list[FieldProblem]):
+    def __init__(self, errors: list[FieldProblem], data: dict | None = None):
         self.errors = errors
+        self.data = data  # the data scan, when the config got that far
         super().__init__("; ".join(f"{e.path}: {e.message}" for e in errors))
 
 
@@ -203,11 +206,13 @@ def check_config(
     # The server writes these files into the run dir itself.
     loadable = {k: v for k, v in values.items() if k not in ("data_backend_config", "user_prompt_library")}
     frozen = None
+    config = backends = None
     resolution = resolution_type = None
     schema_version = None
     seen = {p.path for p in problems}
     try:
         loaded = load_train_config(loadable)
+        config = loaded.config
         warnings.extend(str(w) for w in loaded.warnings or [])
         frozen = dump_train_config(loaded.config)
         resolution, resolution_type = loaded.config.resolution, loaded.config.resolution_type
@@ -234,8 +239,15 @@ def check_config(
     except Exception as exc:
         logger.exception("data backend check crashed")
         problems.append(FieldProblem("data_backends", f"could not be checked: {exc}"))
+    data = None
+    if not problems and config is not None and backends is not None:
+        # every path passed the roots check above, so the scan reads nothing outside them
+        found = scan_data(config, backends, base=base, roots=roots)
+        data = found.to_dict()
+        problems.extend(FieldProblem(_scan_path(e.path), e.message) for e in found.errors)
+        warnings.extend(_scan_warning(w) for w in found.warnings)
     if problems:
-        raise InvalidConfig(_unique(problems))
+        raise InvalidConfig(_unique(problems), data)
     return Checked(
         train_config=json.loads(json.dumps(dict(train_config))),
         data_backends=json.loads(json.dumps(list(data_backends))),
@@ -243,7 +255,17 @@ def check_config(
         frozen=frozen,
         warnings=warnings,
         schema_version=schema_version if isinstance(schema_version, int) else None,
+        data=data,
     )
+
+
+def _scan_path(path: str) -> str:
+    """A scan's field path as the server names it: datasets[x].y -> data_backends[x].y, key -> train_config.key."""
+    return "data_backends" + path[len("datasets"):] if path.startswith("datasets") else _join("train_config", path)
+
+
+def _scan_warning(text: str) -> str:
+    return "data_backends" + text[len("datasets"):] if text.startswith("datasets") else f"train_config.{text}"
 
 
 def _unique(problems: list[FieldProblem]) -> list[FieldProblem]:

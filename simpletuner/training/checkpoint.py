@@ -140,11 +140,13 @@ def fsync_tree(folder: Path) -> None:
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] | None = None, shards=None,
-                    ema_state: dict | None = None) -> Path:
+                    ema_state: dict | None = None, extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only, and the main process saves the (replicated) optimizer state;
     with ``shards`` (a sharded run, ``sharding.py``) every rank writes its part of both through ``shards.save``.
+    ``extra(folder)`` (main process) writes more files into the checkpoint before it is published (the LoRA as users
+    load it), so they appear with it or not at all.
     """
     barrier = barrier or (lambda: None)
     root = Path(output_dir)
@@ -170,6 +172,8 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if ema_state is not None:
                 torch.save(ema_state, tmp / "ema.pt")
+            if extra is not None:
+                extra(tmp)
             meta = {**state.position(), "world_size": world_size}
             if shards is not None:
                 meta["sharding"] = shards.describe(tmp)

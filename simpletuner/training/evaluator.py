@@ -415,7 +415,7 @@ class Evaluator:
 
     def _send_image(self, image: ValidationImage, step: int) -> None:
         self.reporter.image("validation", step, image.path, prompt=image.prompt, nickname=image.nickname,
-                            resolution=image.resolution, video_path=image.video_path)
+                            resolution=image.resolution, video_path=image.video_path, seed=image.seed)
 
     def _send_preview(self, preview: PreviewImage, step: int) -> None:
         self._previews.append(preview)

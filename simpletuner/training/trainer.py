@@ -160,6 +160,31 @@ def _evaluation_weights(config) -> list:
                          what="CLIP model", alternative="evaluation_type: none")]
 
 
+class StartupReport:
+    """Start-up stages sent to the server as ``status: starting`` events (``stage``, ``done`` of ``total``), so a
+    job page shows "caching VAE latents 40/120" rather than nothing; at most a few a second."""
+
+    def __init__(self, reporter: WebhookReporter | None, enabled: bool = True, every_s: float = 0.5):
+        self.reporter = reporter if enabled else None
+        self.every_s = every_s
+        self._last = 0.0
+        self._stage = None
+
+    def stage(self, stage: str, done: int | None = None, total: int | None = None) -> None:
+        if self.reporter is None:
+            return
+        now = time.monotonic()
+        if stage == self._stage and done is not None and total and done < total and now - self._last < self.every_s:
+            return  # a new stage and the last count of one always go out
+        self._last, self._stage = now, stage
+        info = {"stage": stage, **({"done": done, "total": total} if total else {})}
+        self.reporter.status("starting", **info)
+
+    def counter(self, stage: str):
+        """``on_progress(done, total)`` for a cache filler."""
+        return lambda done, total: self.stage(stage, done, total)
+
+
 def discover_datasets(config, backends, adapter) -> tuple[list, list[DatasetSamples]]:
     """(training backends, their samples): every usable file of each image/video dataset, with its paired
     reference image and loss mask; a dataset without one usable file is an error naming it."""
@@ -212,18 +237,23 @@ def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | 
         vae_identity = adapter.vae_cache_identity()
         text_identity = adapter.text_cache_identity()
         show = accelerator.is_local_main_process
+        startup = startup or StartupReport(None)
+        startup.stage("loading the VAE")
         latents_encoded = fill_latent_cache(latent_sets, adapter, config.vae_batch_size, show_progress=show,
-                                            unreadable=unreadable)
+                                            unreadable=unreadable, on_progress=startup.counter("caching VAE latents"))
         latents_encoded += fill_latent_cache(reference_sets, adapter, config.vae_batch_size, show_progress=show,
-                                             unreadable=unreadable, references=True)
+                                             unreadable=unreadable, references=True,
+                                             on_progress=startup.counter("caching reference latents"))
         if mask_sets:  # the scale factor reads the VAE's config: only asked when there are masks
             fill_mask_cache(mask_sets, adapter.vae_scale_factor, show_progress=show)
         drop_unreadable(datasets, unreadable)
         captions, references = training_captions(config, datasets, adapter)
         if config.offload_during_startup:
             adapter.unload_vae()  # the text encoders load next; the VAE is reloaded if validation needs it
+        startup.stage("loading the text encoders")
         captions_encoded = fill_text_cache(captions, adapter, text_cache, backends.text_embeds.write_batch_size,
-                                           show_progress=show, references=references)
+                                           show_progress=show, references=references,
+                                           on_progress=startup.counter("caching text embeds"))
         if evaluator is not None:  # eval-dataset latents and validation prompt embeddings
             eval_latents, eval_captions = evaluator.fill_caches(show_progress=show)
             latents_encoded, captions_encoded = latents_encoded + eval_latents, captions_encoded + eval_captions
@@ -494,6 +524,8 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                              references=backends.uses_references)
     preflight(config, adapter, accelerator.device, backends)
     shards = sharding.for_run(config, accelerator)  # fsdp_enable / deepspeed_config; None otherwise
+    startup = StartupReport(reporter, enabled=accelerator.is_main_process)
+    startup.stage("reading the datasets")
     if config.train_from_cache:  # split training's stage 2: every input from stage 1's manifest, no encoder loaded
         from simpletuner.training.split import load_cache
 
@@ -503,10 +535,11 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
         data = cached.train_data(config, backends, adapter, evaluator)
     else:
         evaluator = Evaluator(config, backends, adapter, accelerator, reporter, generators=[generator])
-        data = prepare_data(config, backends, adapter, accelerator, evaluator)
+        data = prepare_data(config, backends, adapter, accelerator, evaluator, startup)
     max_steps, num_epochs = total_train_steps(config, data.sampler.batches_per_epoch, accelerator.num_processes)
 
     # ---- model, optimizer, schedule ----
+    startup.stage("loading the model")
     transformer = build_transformer(config, adapter, accelerator, generator)
     base_model = build_regularisation_base(config, adapter, backends, accelerator.device)
     if shards is not None:
@@ -569,7 +602,7 @@ def train(config, backends, *, reporter: WebhookReporter | None = None) -> Train
                disable=not accelerator.is_local_main_process)
     started, start_step = time.time(), state.global_step
     accumulated = 0.0
-    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema, shards)
+    save = _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema, shards, adapter)
     nan_guard = NanLossGuard(config.max_nan_loss_steps)
     with _StopFlag() as stop, _closing(evaluator):
         while state.global_step < max_steps:
@@ -709,9 +742,12 @@ def _load_trainable(model, state, config, source: str) -> None:
                          f"(missing {sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]})")
 
 
-def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None, shards=None):
+def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, reporter, ema=None, shards=None,
+                  adapter=None):
     """``save(state)``: every rank writes its part of ``checkpoint-<step>`` (its RNG; in a sharded run its shard of
-    the weights and optimizer); the main process adds the rest and publishes the folder."""
+    the weights and optimizer); the main process adds the rest (and, for an unsharded LoRA, the LoRA file a pipeline
+    loads, so every checkpoint can be downloaded and used; a sharded one gets it from `simpletuner consolidate`) and
+    publishes the folder."""
 
     def save(state: RunState) -> None:
         main = accelerator.is_main_process
@@ -727,6 +763,8 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
             rank=accelerator.process_index, world_size=accelerator.num_processes,
             barrier=accelerator.wait_for_everyone, shards=shards,
             ema_state=ema.state_dict() if ema is not None and main else None,
+            extra=(lambda folder: export_weights(config, adapter, accelerator.unwrap_model(transformer), folder))
+            if main and adapter is not None and shards is None and config.model_type == "lora" else None,
         )
         if main:
             log.info("saved %s", path)

@@ -202,7 +202,7 @@ class WebhookReporter:
         self._emit("checkpoint", {"step": step, "path": str(path)})
 
     def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None,
-              video_path=None) -> None:
+              video_path=None, seed=None) -> None:
         """An image event carrying the file itself (``image_base64``); a video family's validation sends its
         poster frame as the image and the mp4 as ``video_base64``."""
         if not self.enabled:
@@ -215,6 +215,7 @@ class WebhookReporter:
             "nickname": nickname,
             "resolution": list(resolution) if resolution is not None else None,
             "inference_step": inference_step,
+            "seed": seed,
         }
         try:
             data["image_base64"] = base64.b64encode(Path(path).read_bytes()).decode("ascii")

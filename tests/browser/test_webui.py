@@ -18,6 +18,12 @@ def field(page, path: str):
     return page.locator(f'[data-path="{path}"]').locator("input, select, textarea").first
 
 
+def show_advanced(page) -> None:
+    """The editor opens on the basic form; these tests set advanced settings too."""
+    if page.get_attribute("#mode-button", "aria-pressed") != "true":
+        page.click("#mode-button")
+
+
 def until(page, expression: str, **kwargs) -> None:
     """Wait until the JavaScript expression is true (as a function: the pages' CSP forbids eval of strings)."""
     page.wait_for_function(f"() => ({expression})", **kwargs)
@@ -40,6 +46,7 @@ def validation_images(server, job_id: int) -> list[dict]:
 def test_form_to_finished_job(page, server):
     page.goto(f"{server.url}/configs/new")
     page.wait_for_selector("body[data-ready]")
+    show_advanced(page)
     page.fill("#config-name", "tiny-flux")
     page.fill("#config-description", "made in the browser test")
     field(page, "train_config.model_family").select_option("flux")
@@ -190,8 +197,11 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     progress_steps = {e["data"]["step"] for e in events if e["type"] == "progress"}
     assert progress_steps == set(range(1, 61))
     assert int(page.get_attribute("#loss-chart", "data-points")) == 2 * len(progress_steps)
+    stages = [e["data"].get("stage") for e in events if e["type"] == "status" and e["data"].get("status") == "starting"]
+    repeated = sum(1 for a, b in zip(stages, stages[1:]) if a == b)  # "caching N/M" updates: one line per stage
     assert page.locator("#activity li").count() == sum(1 for e in events if e["type"] not in ("progress",)
-                                                      and not (e["type"] == "image" and e["data"].get("kind") == "preview"))
+                                                      and not (e["type"] == "image" and e["data"].get("kind") == "preview")
+                                                      ) - repeated
     shot(page, "job-reloaded-1280")
 
     # back on the queue: filter, retry, cancel
@@ -203,16 +213,18 @@ def test_queue_and_reload_mid_run_misses_no_events(page, server):
     assert set(page.locator("#jobs-body tr[data-job]").evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"succeeded"}
     page.click('#filters button[data-status=""]')
     total = server.http.get("/api/jobs").json()["total"]
-    page.click(f'[aria-label="Retry job {job_id}"]')
-    # Retry puts the same job back in the queue, to continue its run from its newest checkpoint (step 60)
+    assert page.locator(f'[aria-label^="Resume job {job_id}"]').count() == 0  # it finished: nothing to resume
+    page.click(f'[aria-label="Retry job {job_id} from the start"]')
+    # Retry puts the same job back in the queue, to run again from step 0 (its output kept aside)
     page.wait_for_selector(f'tr[data-job="{job_id}"][data-status="queued"], tr[data-job="{job_id}"][data-status="running"]')
     page.click(f'[aria-label="Cancel job {job_id}"]')
+    page.locator("#confirm-dialog #confirm-yes").click()  # Cancel asks first
     page.wait_for_selector(f'tr[data-job="{job_id}"][data-status="cancelled"]', timeout=60_000)
     again = server.http.get(f"/api/jobs/{job_id}").json()
     assert again["status"] == "cancelled" and again["attempt"] == 2
     assert server.http.get("/api/jobs").json()["total"] == total  # no new job: the same one, attempt 2
     requeued = [e for e in server.all_events(job_id) if e["type"] == "job" and e["data"]["status"] == "queued"]
-    assert requeued[-1]["data"]["resumes_from_step"] == 60
+    assert requeued[-1]["data"]["start_over"] is True
     shot(page, "queue-1280")
 
 
@@ -240,8 +252,8 @@ def test_job_page_resumes_after_the_server_restarts(page, server):
     page.errors[:] = [e for e in page.errors if not any(x in e for x in expected)]
 
 
-def test_retry_button_continues_a_crashed_run_from_its_checkpoint(page, server):
-    """The trainer dies (kill -9) mid-run; the job page's Retry continues the same run from its newest checkpoint
+def test_resume_button_continues_a_crashed_run_from_its_checkpoint(page, server):
+    """The trainer dies (kill -9) mid-run; the job page's Resume continues the same run from its newest checkpoint
     instead of step 0."""
     import os
     import signal
@@ -261,9 +273,9 @@ def test_retry_button_continues_a_crashed_run_from_its_checkpoint(page, server):
         time.sleep(0.05)
     os.killpg(job["pid"], signal.SIGKILL)
     page.wait_for_selector("body[data-status=failed]", timeout=60_000)
-    page.wait_for_selector("#retry-button:not([hidden])")
-    assert page.is_visible("#start-over-button")
-    page.click("#retry-button")
+    page.wait_for_selector("#resume-button:not([hidden])")
+    assert page.is_visible("#retry-button")  # Retry (from step 0) beside Resume
+    page.click("#resume-button")
     page.wait_for_selector("body[data-status=succeeded]", timeout=240_000)
     events = server.all_events(job_id)
     job = server.http.get(f"/api/jobs/{job_id}").json()
@@ -358,6 +370,7 @@ def test_family_options_follow_the_family_table(page, server):
     families = server.http.get("/api/system/model-families").json()
     page.goto(f"{server.url}/configs/new")
     page.wait_for_selector("body[data-ready]")
+    show_advanced(page)
 
     def options(key):
         return [o for o in field(page, f"train_config.{key}").locator("option").all_inner_texts()

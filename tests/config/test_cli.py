@@ -31,9 +31,17 @@ def project(tmp_path, make_config, make_backends):
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.json").write_text(json.dumps(make_config()))
     (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(make_backends("datasets/pics")))
-    (tmp_path / "datasets" / "pics").mkdir(parents=True)
-    (tmp_path / "datasets" / "pics" / "a.png").write_bytes(b"")
+    picture(tmp_path / "datasets" / "pics" / "a.png", caption="a cat")
     return tmp_path
+
+
+def picture(path: Path, size=(64, 64), caption: str | None = None) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, "teal").save(path)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption)
 
 
 @pytest.mark.e2e
@@ -41,6 +49,8 @@ def test_validate_ok(project):
     result = simpletuner("validate", cwd=project)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines() == [
+        f"datasets[pics] (image): 1 image in {project / 'datasets' / 'pics'}; 1 with captions (caption_strategy "
+        "textfile); buckets 1024x1024: 1; 3 batches per epoch",
         "warning: config/config.json: flux_schedule_shift: renamed to flow_schedule_shift",
         "OK",
     ]
@@ -64,13 +74,32 @@ def test_validate_reports_every_error_with_its_path(project, make_config, make_b
 
 
 @pytest.mark.e2e
-def test_validate_missing_dataset_folder_is_a_warning(project, make_backends):
-    (project / "config" / "multidatabackend.json").write_text(json.dumps(make_backends("datasets/nowhere")))
+def test_validate_reports_data_problems_before_anything_trains(project, make_backends):
+    """A missing folder, images without captions and images too small for minimum_image_size: each an error with
+    its path; --no-scan checks the files alone (for a config that trains on another machine)."""
+    backends = make_backends("datasets/nowhere")
+    backends.insert(1, {**backends[0], "id": "uncaptioned", "instance_data_dir": "datasets/uncaptioned"})
+    backends.insert(2, {**backends[0], "id": "small", "instance_data_dir": "datasets/small",
+                        "minimum_image_size": 512})
+    picture(project / "datasets" / "uncaptioned" / "x.png")
+    picture(project / "datasets" / "uncaptioned" / "y.png")
+    picture(project / "datasets" / "small" / "s.png", size=(32, 32), caption="small")
+    (project / "config" / "multidatabackend.json").write_text(json.dumps(backends))
     result = simpletuner("validate", cwd=project)
-    assert result.returncode == 0
-    assert ("warning: config/multidatabackend.json: datasets[pics].instance_data_dir: folder 'datasets/nowhere' "
-            "does not exist") in result.stdout.splitlines()
-    assert result.stdout.splitlines()[-1] == "OK"
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    where = "config/multidatabackend.json: datasets"
+    assert (f"{where}[pics].instance_data_dir: folder 'datasets/nowhere' "
+            f"({project / 'datasets' / 'nowhere'}) does not exist") in lines
+    assert (f"{where}[uncaptioned].caption_strategy: textfile: 2 of 2 file(s) have no .txt caption beside them, "
+            "e.g. x.png, y.png; add the captions or set caption_strategy 'filename'") in lines
+    assert f"{where}[small].minimum_image_size: all 1 image(s) are smaller than 512, e.g. s.png (32x32)" in lines
+    assert "3 errors" in result.stderr
+    report = json.loads(simpletuner("validate", "--json", cwd=project).stdout)
+    assert [d["id"] for d in report["data"]["datasets"]] == ["pics", "uncaptioned", "small"]
+    assert report["data"]["datasets"][1]["images"] == 2 and report["data"]["datasets"][1]["captioned"] == 0
+    skipped = simpletuner("validate", "--no-scan", cwd=project)
+    assert skipped.returncode == 0 and skipped.stdout.splitlines()[-1] == "OK"
 
 
 @pytest.mark.e2e
@@ -137,6 +166,8 @@ ANSWERS = [
     "200",
     "-1",  # invalid learning rate: re-asked
     "2e-4",
+    "",  # mixed precision: "no" for the tiny flavour
+    "datasets/nowhere",  # a folder that does not exist: re-asked
     "datasets/cats",
     "bogus",  # invalid caption strategy: re-asked
     "instanceprompt",
@@ -149,32 +180,58 @@ ANSWERS = [
 
 @pytest.mark.e2e
 def test_configure_with_piped_answers(tmp_path):
+    picture(tmp_path / "datasets" / "cats" / "0.png")
+    picture(tmp_path / "datasets" / "cats" / "1.png", caption="a cat")
     result = simpletuner("configure", cwd=tmp_path, stdin="\n".join(ANSWERS) + "\n")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "invalid: 'omnigen' is a SimpleTuner family that is planned" in result.stdout
     assert "invalid: must be > 0" in result.stdout
+    assert "invalid: folder 'datasets/nowhere' does not exist" in result.stdout
+    assert "found 2 images, 1 with a .txt caption" in result.stdout
+    assert "Caption strategy (filename, textfile, instanceprompt) [textfile]: " in result.stdout  # from the folder
     assert "invalid: 'bogus' is not one of filename, textfile, instanceprompt" in result.stdout
     assert "invalid: is required for caption_strategy 'instanceprompt'" in result.stdout
     config = json.loads((tmp_path / "config" / "config.json").read_text())
     assert config["model_flavour"] == "tiny" and config["lora_rank"] == 8 and config["max_train_steps"] == 200
     assert config["learning_rate"] == pytest.approx(2e-4) and config["output_dir"] == "out/cats"
-    assert config["data_backend_config"] == "config/multidatabackend.json"
+    assert config["data_backend_config"] == "config/multidatabackend.json" and config["mixed_precision"] == "no"
     backends = json.loads((tmp_path / "config" / "multidatabackend.json").read_text())
     assert backends[0]["instance_data_dir"] == "datasets/cats" and backends[0]["resolution"] == 512
     assert backends[0]["instance_prompt"] == "a photo of a cat"
     assert backends[1]["dataset_type"] == "text_embeds"
+    # it ends with validate's summary of what it wrote
+    tail = result.stdout.splitlines()
+    assert tail[-2:] == ["OK", "next: simpletuner train --config config/config.json"]
+    assert any(line.startswith("datasets[cats] (image): 2 images in ") for line in tail)
 
-    # what it wrote validates (the missing dataset folder is only a warning)
     validated = simpletuner("validate", cwd=tmp_path)
     assert validated.returncode == 0, validated.stdout
-    assert "folder 'datasets/cats' does not exist" in validated.stdout
 
-    # and it refuses to overwrite without --force
+    # it refuses to overwrite without --force
     again = simpletuner("configure", cwd=tmp_path, stdin="\n" * 20)
     assert again.returncode == 1 and "already exist; use --force" in again.stderr
-    forced = simpletuner("configure", "--force", cwd=tmp_path, stdin="\n" * 20)
+    forced = simpletuner("configure", "--force", "--data", "datasets/cats", "--caption-strategy", "filename",
+                         cwd=tmp_path, stdin="\n" * 20)
     assert forced.returncode == 0, forced.stderr
     assert json.loads((tmp_path / "config" / "config.json").read_text())["model_flavour"] == "krea"
+
+
+@pytest.mark.e2e
+def test_configure_by_flags_asks_nothing(tmp_path):
+    picture(tmp_path / "imgs" / "a.png", caption="a teal square")
+    flags = ["--family", "flux", "--flavour", "tiny", "--model-type", "lora", "--lora-rank", "4", "--steps", "3",
+             "--learning-rate", "1e-3", "--mixed-precision", "no", "--data", "imgs", "--caption-strategy",
+             "textfile", "--resolution", "64", "--output-dir", "out"]
+    result = simpletuner("configure", *flags, cwd=tmp_path, stdin="")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Dataset folder (images): imgs (--data)" in result.stdout and "[" not in result.stdout.split("wrote")[0]
+    config = json.loads((tmp_path / "config" / "config.json").read_text())
+    assert (config["lora_rank"], config["max_train_steps"], config["resolution"]) == (4, 3, 64)
+    # a bad flag stops with its name; a missing folder is refused
+    bad = simpletuner("configure", "--force", *flags, "--lora-rank", "0", cwd=tmp_path, stdin="")
+    assert bad.returncode == 1 and "--lora-rank '0': must be >= 1" in bad.stderr
+    missing = simpletuner("configure", "--force", "--yes", "--data", "nowhere", cwd=tmp_path)
+    assert missing.returncode == 1 and "--data 'nowhere': folder 'nowhere' does not exist" in missing.stderr
 
 
 @pytest.mark.e2e
@@ -182,8 +239,9 @@ def test_configure_custom_paths_and_early_eof(tmp_path):
     result = simpletuner("configure", "--config_dir", "cfg", cwd=tmp_path, stdin="flux\n")
     assert result.returncode == 1 and "nothing written" in result.stderr
     assert not (tmp_path / "cfg").exists()
+    picture(tmp_path / "datasets" / "my-images" / "a.png")
     result = simpletuner("configure", "--config_dir", "cfg", "--yes", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     config = json.loads((tmp_path / "cfg" / "config.json").read_text())
     assert config["data_backend_config"] == "cfg/multidatabackend.json"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simpletuner.config import ConfigError, check_paths, load_data_backends, load_train_config, parse_data_backends
+from simpletuner.config import ConfigError, load_data_backends, load_train_config, parse_data_backends
 
 
 def errors_of(entries, **kwargs):
@@ -145,17 +145,6 @@ def test_load_from_file_names_the_file(write_json, make_backends, tmp_path):
     bad.write_text('[{"id": "x",}]')
     with pytest.raises(ConfigError, match=r"broken.json: not valid JSON: .*line 1, column"):
         load_data_backends(bad)
-
-
-def test_check_paths_warns_about_missing_and_empty_folders(tmp_path, make_backends):
-    backends = parse_data_backends(make_backends(folder="datasets/pics"))
-    assert check_paths(backends, cwd=tmp_path) == [
-        "datasets[pics].instance_data_dir: folder 'datasets/pics' does not exist"
-    ]
-    (tmp_path / "datasets" / "pics").mkdir(parents=True)
-    assert "is empty" in check_paths(backends, cwd=tmp_path)[0]
-    (tmp_path / "datasets" / "pics" / "a.png").write_bytes(b"")
-    assert check_paths(backends, cwd=tmp_path) == []
 
 
 def _paired(make_backends, pairs, *extra):

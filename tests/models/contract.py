@@ -195,6 +195,7 @@ class FamilyContract(_Fixtures):
         assert type(adapter).family == family
         assert len(adapter.text_encoder_specs) == row.num_text_encoders
         assert row.modality == ("video" if adapter.is_video else "image")
+        assert row.resolution_multiple == adapter.resolution_multiple  # the validate-time scan buckets with the row's
         assert adapter.config.prediction_type == row.default_objective == adapter.objective.name
 
     @pytest.mark.parametrize("mode", ["embeddings", "prompt"])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from pathlib import Path as FsPath
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Request, Response, status
@@ -16,6 +20,8 @@ from ..schemas import (
     NOT_FOUND,
     ConfigBody,
     ConfigCreate,
+    ConfigFileOut,
+    ConfigImport,
     ConfigOut,
     ConfigSummary,
     ConfigUpdate,
@@ -23,7 +29,7 @@ from ..schemas import (
     ConfigVersionSummary,
     ValidateOut,
 )
-from ..validation import InvalidConfig
+from ..validation import FieldProblem, InvalidConfig
 
 router = APIRouter(prefix="/api/configs", tags=["configs"], responses=ERRORS)
 Name = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
@@ -77,27 +83,79 @@ def validate_config(body: ConfigBody, request: Request) -> ValidateOut:
     try:
         checked = deps.check(request, body.train_config, body.data_backends, body.prompt_library)
     except InvalidConfig as exc:
-        return ValidateOut(valid=False, errors=[{"path": e.path, "message": e.message} for e in exc.errors])
-    return ValidateOut(valid=True, warnings=checked.warnings)
+        return ValidateOut(valid=False, errors=[{"path": e.path, "message": e.message} for e in exc.errors],
+                           data=exc.data)
+    return ValidateOut(valid=True, warnings=checked.warnings, data=checked.data)
+
+
+def _store_new(request: Request, name: str, description: str, comment: str, checked) -> ConfigOut:
+    with deps.db(request).session(write=True) as s:
+        if s.scalar(select(ConfigRow.id).where(ConfigRow.name == name)) is not None:
+            raise HTTPException(409, f"config {name!r} already exists (PUT /api/configs/{name} adds a version)")
+        cfg = ConfigRow(name=name, description=description, current_version=1)
+        s.add(cfg)
+        s.flush()
+        ver = ConfigVersionRow(config_id=cfg.id, version=1, schema_version=checked.schema_version,
+                               train_config=checked.train_config, data_backends=checked.data_backends,
+                               prompt_library=checked.prompt_library, comment=comment)
+        s.add(ver)
+        s.flush()
+        return _config_out(cfg, ver, checked.warnings)
 
 
 @router.post("", response_model=ConfigOut, status_code=status.HTTP_201_CREATED, responses=CONFLICT,
              summary="Store a new named config (version 1)")
 def create_config(body: ConfigCreate, request: Request) -> ConfigOut:
     checked = deps.check(request, body.train_config, body.data_backends, body.prompt_library)
-    db = deps.db(request)
-    with db.session(write=True) as s:
-        if s.scalar(select(ConfigRow.id).where(ConfigRow.name == body.name)) is not None:
-            raise HTTPException(409, f"config {body.name!r} already exists (PUT /api/configs/{body.name} adds a version)")
-        cfg = ConfigRow(name=body.name, description=body.description, current_version=1)
-        s.add(cfg)
-        s.flush()
-        ver = ConfigVersionRow(config_id=cfg.id, version=1, schema_version=checked.schema_version,
-                               train_config=checked.train_config, data_backends=checked.data_backends,
-                               prompt_library=checked.prompt_library, comment=body.comment)
-        s.add(ver)
-        s.flush()
-        return _config_out(cfg, ver, checked.warnings)
+    return _store_new(request, body.name, body.description, body.comment, checked)
+
+
+_SKIP_DIRS = {"output", "cache", "runs", "node_modules", "__pycache__", "site-packages"}
+
+
+@router.get("/files", response_model=list[ConfigFileOut],
+            summary="config.json files in the server's working dir (e.g. written by simpletuner configure)")
+def config_files(request: Request) -> list[ConfigFileOut]:
+    root = deps.settings(request).workdir
+    found: list[ConfigFileOut] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        depth = len(FsPath(dirpath).relative_to(root).parts)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS and depth < 3)
+        if "config.json" in filenames:
+            path = FsPath(dirpath) / "config.json"
+            rel = path.relative_to(root)
+            suggested = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(rel.parts[:-1]) or root.name).strip("-.") or "imported"
+            found.append(ConfigFileOut(path=str(rel), suggested_name=suggested[:200], modified=path.stat().st_mtime))
+        if len(found) >= 200:
+            break
+    return found
+
+
+@router.post("/import", response_model=ConfigOut, status_code=status.HTTP_201_CREATED, responses=CONFLICT,
+             summary="Store a config.json from the server's disk as it is (its datasets from its "
+                     "data_backend_config, or a multidatabackend.json beside it)")
+def import_config(body: ConfigImport, request: Request) -> ConfigOut:
+    from simpletuner.config import data_backend_beside, paths
+
+    s = deps.settings(request)
+    problem = paths.problem(body.path, s.resolved_allowed_roots(), s.workdir, "file")
+    if problem:
+        raise InvalidConfig([FieldProblem("path", problem)])
+    real = FsPath(paths.resolve(body.path, s.workdir))
+    try:
+        train_config = json.loads(real.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidConfig([FieldProblem("path", f"file {body.path!r} not found")]) from None
+    except (OSError, ValueError) as exc:
+        raise InvalidConfig([FieldProblem("path", f"file {body.path!r} could not be read: {exc}")]) from None
+    if not isinstance(train_config, dict):
+        raise InvalidConfig([FieldProblem("path", f"file {body.path!r} does not hold a JSON object")])
+    named = any(k.lstrip("-") == "data_backend_config" for k in train_config)
+    beside = None if named else data_backend_beside(real)
+    if beside:
+        train_config = {**train_config, "data_backend_config": beside}
+    checked = deps.check(request, train_config, [], None)
+    return _store_new(request, body.name, body.description, f"imported from {body.path}", checked)
 
 
 @router.get("/{name}", response_model=ConfigOut, responses=NOT_FOUND, summary="A config's newest version")

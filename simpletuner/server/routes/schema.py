@@ -15,9 +15,10 @@ router = APIRouter(prefix="/api/schema", tags=["schema"], responses=ERRORS)
 def train_config_schema() -> dict[str, Any]:
     from simpletuner.config import TrainConfig
     from simpletuner.config.families import all_flavours, all_lora_targets, family_names
+    from simpletuner.config.labels import BASIC_TRAIN, TRAIN_LABELS, label_schema
     from simpletuner.config.train import GROUPS
 
-    schema = TrainConfig.model_json_schema()
+    schema = label_schema(TrainConfig.model_json_schema(), TRAIN_LABELS, BASIC_TRAIN)
     # the choices come from the family table as it is now (a family added at run time shows up too)
     props = schema["properties"]
     props["model_family"]["enum"] = family_names()
@@ -30,5 +31,7 @@ def train_config_schema() -> dict[str, Any]:
             summary="JSON schemas of a dataset entry and of the text-embeds entry of multidatabackend.json")
 def data_backends_schema() -> dict[str, Any]:
     from simpletuner.config.data import DatasetBackend, TextEmbedsBackend
+    from simpletuner.config.labels import BASIC_DATASET, DATASET_LABELS, label_schema
 
-    return {"dataset": DatasetBackend.model_json_schema(), "text_embeds": TextEmbedsBackend.model_json_schema()}
+    return {"dataset": label_schema(DatasetBackend.model_json_schema(), DATASET_LABELS, BASIC_DATASET),
+            "text_embeds": label_schema(TextEmbedsBackend.model_json_schema(), DATASET_LABELS, BASIC_DATASET)}

@@ -85,6 +85,18 @@ def edit_config_page(request: Request, name: Annotated[str, PathParam(max_length
     return render(request, "config_edit.html", f"Config {name}", page="configs", config_name=name)
 
 
+@router.get("/datasets", response_class=HTMLResponse)
+def datasets_page(request: Request) -> HTMLResponse:
+    return render(request, "datasets.html", "Datasets", page="datasets")
+
+
+@router.get("/datasets/{name}", response_class=HTMLResponse)
+def dataset_page(request: Request, name: Annotated[str, PathParam(max_length=200)]) -> HTMLResponse:
+    if not re.fullmatch(NAME_PATTERN, name):
+        return not_found(request, f"{name!r} is not a dataset name (letters, digits, '.', '_' and '-').")
+    return render(request, "dataset.html", f"Dataset {name}", page="datasets", dataset_name=name)
+
+
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: Annotated[str, PathParam(max_length=40)]) -> HTMLResponse:
     if not job_id.isdigit() or not 1 <= int(job_id) <= MAX_ID:

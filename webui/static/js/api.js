@@ -89,6 +89,17 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+/** Ask in the page's confirmation dialog; resolves true when the user confirms. */
+export function confirmAction(title, text, yes) {
+  const dialog = document.getElementById("confirm-dialog");
+  document.getElementById("confirm-title").textContent = title;
+  document.getElementById("confirm-text").textContent = text;
+  document.getElementById("confirm-yes").textContent = yes;
+  dialog.returnValue = "";
+  dialog.showModal();
+  return new Promise((resolve) => dialog.addEventListener("close", () => resolve(dialog.returnValue === "yes"), { once: true }));
+}
+
 export function toast(message, { error = false, link = null, ms = 5000 } = {}) {
   const box = document.getElementById("toasts");
   if (!box) return;

@@ -1,6 +1,7 @@
 // A small SVG line chart: x = step, one or two y axes, redrawn at most once per animation frame.
 
 const NS = "http://www.w3.org/2000/svg";
+const CHAR_PX = 6.6; // width of one character of the 11 px tick labels
 
 function svg(tag, attrs = {}, text) {
   const node = document.createElementNS(NS, tag);
@@ -120,6 +121,15 @@ export class LineChart {
     const hasRight = this.series.some((s) => s.axis === "right" && s.points.length);
     const m = { l: 52, r: hasRight ? 58 : 14, t: 22, b: 30 };
     const all = this.series.flatMap((s) => s.points);
+    // margins fit the widest tick label of each axis (a fixed margin clipped "1.5e-4" in a narrow window)
+    const tickWidth = (side) => {
+      const ys = this.series.filter((s) => s.axis === side).flatMap((s) => s.points.map((p) => p[1]));
+      if (!ys.length) return 0;
+      const t = niceTicks(Math.min(...ys), Math.max(...ys), Math.max(2, Math.floor((h - m.t - m.b) / 40)));
+      return Math.max(...t.ticks.map((v) => label(v).length)) * CHAR_PX;
+    };
+    m.l = Math.max(m.l, Math.ceil(tickWidth("left")) + 12);
+    if (hasRight) m.r = Math.max(m.r, Math.ceil(tickWidth("right")) + 12);
     const xs = all.map((p) => p[0]);
     let x0 = Math.min(...xs), x1 = Math.max(...xs);
     if (x1 === x0) { x0 -= 1; x1 += 1; }
@@ -149,7 +159,10 @@ export class LineChart {
     const xt = niceTicks(x0, x1, Math.max(2, Math.floor((w - m.l - m.r) / 80)), 1); // steps are whole numbers
     for (const v of xt.ticks) {
       if (v < x0 || v > x1) continue;
-      text.append(svg("text", { x: sx(v), y: h - m.b + 16, "text-anchor": "middle" }, label(v)));
+      // kept inside the chart: a label centred on the last tick would hang past the right edge
+      const half = (label(v).length * CHAR_PX) / 2;
+      const x = Math.min(Math.max(sx(v), half + 1), w - half - 1);
+      text.append(svg("text", { x, y: h - m.b + 16, "text-anchor": "middle" }, label(v)));
     }
     text.append(svg("text", { x: w - m.r, y: h - 3, "text-anchor": "end" }, this.xLabel));
     root.append(grid, svg("line", { x1: m.l, x2: w - m.r, y1: h - m.b, y2: h - m.b, stroke: "#aab3c5" }), text);

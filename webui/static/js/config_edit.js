@@ -25,6 +25,9 @@ const state = {
   system: null,
   families: {}, // /api/system/model-families: each family's flavours, LoRA presets and objectives
   rawDirty: false,
+  dirty: false,
+  loading: true, // no "unsaved changes" while the page fills the form
+  presets: [],
 };
 
 // Keys whose choices depend on the model family (the family table says which values each family takes).
@@ -82,7 +85,36 @@ function body() {
 
 function changed() {
   if (!state.rawDirty && document.activeElement !== raw) raw.value = JSON.stringify(body(), null, 2);
+  if (!state.loading) setDirty(true);
 }
+
+// ---- unsaved changes ------------------------------------------------------------------------------------
+function setDirty(dirty) {
+  state.dirty = dirty;
+  document.body.dataset.dirty = String(dirty);
+  document.getElementById("dirty-note").textContent = dirty ? "unsaved changes" : "";
+}
+
+window.addEventListener("beforeunload", (e) => {
+  if (!state.dirty) return;
+  e.preventDefault();
+  e.returnValue = ""; // the browser asks "Leave site? Changes you made may not be saved."
+});
+
+// ---- basic / advanced ------------------------------------------------------------------------------------
+const MODE_KEY = "simpletuner.form-mode";
+
+function setMode(mode) {
+  document.body.dataset.mode = mode;
+  const button = document.getElementById("mode-button");
+  button.setAttribute("aria-pressed", String(mode === "advanced"));
+  button.textContent = mode === "advanced" ? "Show basic settings only" : "Show advanced settings";
+  localStorage.setItem(MODE_KEY, mode);
+}
+
+document.getElementById("mode-button").addEventListener("click", () => {
+  setMode(document.body.dataset.mode === "advanced" ? "basic" : "advanced");
+});
 
 // ---- the schema form -----------------------------------------------------------------------------------
 function renderSchemaSections() {
@@ -104,7 +136,8 @@ function renderSchemaSections() {
         },
         { browse, choices: familyChoices }));
     }
-    const details = el("details", { class: "section", id: `sec-${group.id}`, open: OPEN_GROUPS.has(group.id), "data-group": group.id },
+    const basic = entries.some(([, p]) => p.basic);
+    const details = el("details", { class: `section${basic ? "" : " advanced-group"}`, id: `sec-${group.id}`, open: OPEN_GROUPS.has(group.id), "data-group": group.id },
       el("summary", {}, group.label, el("span", { class: "badge-err", hidden: true })),
       el("div", { class: "section-body" }, grid));
     if (group.id === "data") {
@@ -117,7 +150,8 @@ function renderSchemaSections() {
   const toc = document.getElementById("toc");
   toc.replaceChildren(el("a", { href: "#sec-meta" }, "Config"),
     ...groups.filter((g) => document.getElementById(`sec-${g.id}`))
-      .map((g) => el("a", { href: `#sec-${g.id}`, "data-group": g.id }, g.label)),
+      .map((g) => el("a", { href: `#sec-${g.id}`, "data-group": g.id,
+        class: document.getElementById(`sec-${g.id}`).classList.contains("advanced-group") ? "advanced-group" : undefined }, g.label)),
     el("a", { href: "#sec-datasets", "data-group": "datasets" }, "Datasets"),
     el("a", { href: "#sec-hardware" }, "Hardware"),
     el("a", { href: "#sec-raw" }, "Raw JSON"));
@@ -298,6 +332,7 @@ function reportErrors(errors) {
   const list = document.getElementById("error-list");
   document.getElementById("ok-summary").hidden = true;
   const placed = showErrors(form, errors);
+  if (placed.some((p) => p.node && (p.node.closest(".advanced-only") || p.node.closest(".advanced-group")))) setMode("advanced");
   // per-section badges and the table of contents
   const counts = {};
   for (const p of placed) {
@@ -333,9 +368,11 @@ function clearAll() {
   for (const link of document.querySelectorAll("#toc a")) link.classList.remove("bad");
 }
 
-function showOk(text, warnings = []) {
+function showOk(text, warnings = [], data = null) {
   const box = document.getElementById("ok-summary");
   box.replaceChildren(el("strong", {}, text));
+  const summary = (data && data.summary) || [];
+  if (summary.length) box.append(el("ul", { class: "data-summary", id: "data-summary" }, summary.map((line) => el("li", {}, line))));
   if (warnings.length) box.append(el("ul", { class: "warn-list" }, warnings.map((w) => el("li", {}, w))));
   box.hidden = false;
 }
@@ -351,7 +388,7 @@ async function validate() {
   clearAll();
   try {
     const r = await api("/api/configs/validate", { method: "POST", body: body() });
-    if (r.valid) showOk("The config is valid.", r.warnings);
+    if (r.valid) showOk("The config is valid.", r.warnings, r.data);
     else reportErrors(r.errors);
   } catch (e) { failed(e); }
 }
@@ -385,6 +422,7 @@ async function save() {
       document.title = `Config ${saved.name} · SimpleTuner`;
     }
     commentInput.value = "";
+    setDirty(false);
     showOk(`Saved ${saved.name}, version ${saved.current_version}.`, saved.warnings);
     return saved;
   } catch (e) {
@@ -432,12 +470,97 @@ function applyRaw() {
     return;
   }
   if ("train_config" in parsed) load(parsed.train_config, parsed.data_backends || [], parsed.prompt_library || null);
-  else load(parsed, state.backends, state.library);
+  else load(parsed, namesBackendFile(parsed) ? [] : state.backends, state.library);
   state.rawDirty = false;
   renderSchemaSections();
   renderBackends();
   changed();
   toast("Applied the JSON to the form.");
+}
+
+// ---- import config.json (and multidatabackend.json, a prompt library) as SimpleTuner writes them -------------
+/** A config.json that names its data backend file: with no dataset list given, the server reads that file. */
+function namesBackendFile(config) {
+  return Boolean(config.data_backend_config || config["--data_backend_config"]);
+}
+
+function isTrainConfig(obj) {
+  return Object.keys(obj).some((k) => ["model_family", "--model_family", "model_type", "--model_type", "TRAINER_EXTRA_ARGS"].includes(k));
+}
+
+async function importFiles(files) {
+  let train = null, backends = null, library = null, whole = null;
+  for (const file of files) {
+    let parsed;
+    try { parsed = JSON.parse(await file.text()); } catch (e) {
+      reportErrors([{ path: "raw", message: `${file.name}: not valid JSON (${e.message})` }]);
+      return;
+    }
+    if (Array.isArray(parsed)) backends = parsed;
+    else if (parsed && typeof parsed === "object" && "train_config" in parsed) whole = parsed;
+    else if (parsed && typeof parsed === "object" && isTrainConfig(parsed)) train = parsed;
+    else if (parsed && typeof parsed === "object" && Object.values(parsed).every((v) => typeof v === "string")) library = parsed;
+    else { reportErrors([{ path: "raw", message: `${file.name}: neither a config.json, a multidatabackend.json nor a prompt library` }]); return; }
+  }
+  if (whole) load(whole.train_config, whole.data_backends || [], whole.prompt_library || null);
+  else if (train) {
+    // a dataset list given beside it wins; else its data_backend_config file (read by the server); else keep ours
+    const list = backends || (namesBackendFile(train) ? [] : state.backends);
+    if (backends) { delete train.data_backend_config; delete train["--data_backend_config"]; }
+    load(train, list, library || state.library);
+  } else if (backends) load(trainConfig(), backends, library || state.library);
+  else if (library) state.library = library;
+  renderSchemaSections();
+  renderBackends();
+  changed();
+  toast(`Imported ${files.map((f) => f.name).join(", ")}.`);
+  validate();
+}
+
+document.getElementById("import-button").addEventListener("click", () => document.getElementById("import-files").click());
+document.getElementById("import-files").addEventListener("change", async (e) => {
+  const files = [...e.target.files];
+  e.target.value = "";
+  if (files.length) await importFiles(files);
+});
+
+// ---- presets -------------------------------------------------------------------------------------------
+function describePreset() {
+  const preset = state.presets.find((p) => p.id === document.getElementById("preset-select").value);
+  document.getElementById("preset-help").textContent = preset ? preset.description : "";
+}
+
+async function applyPreset(id, dataset) {
+  const list = await api(`/api/presets${dataset ? `?dataset=${encodeURIComponent(dataset)}` : ""}`);
+  const preset = list.find((p) => p.id === id);
+  if (!preset) { toast(`There is no preset ${id}.`, { error: true }); return; }
+  load(preset.train_config, preset.data_backends, null);
+  if (!nameInput.value.trim()) nameInput.value = dataset ? `${preset.id}-${dataset}` : preset.id;
+  if (!descInput.value.trim()) descInput.value = preset.label;
+  renderSchemaSections();
+  renderBackends();
+  changed();
+  document.body.dataset.preset = preset.id;
+  toast(`Filled the form from "${preset.label}".`);
+}
+
+async function setupPresets(params) {
+  const panel = document.getElementById("preset-panel");
+  const select = document.getElementById("preset-select");
+  const datasets = document.getElementById("preset-dataset");
+  state.presets = await api("/api/presets");
+  select.replaceChildren(...state.presets.map((p) => el("option", { value: p.id }, p.label)));
+  try {
+    const list = await api("/api/datasets");
+    datasets.append(...list.map((d) => el("option", { value: d.name }, `${d.name} (${d.files} files)`)));
+  } catch { /* none */ }
+  if (params.get("preset")) select.value = params.get("preset");
+  if (params.get("dataset")) datasets.value = params.get("dataset");
+  describePreset();
+  select.addEventListener("change", describePreset);
+  document.getElementById("preset-apply").addEventListener("click", () => applyPreset(select.value, datasets.value));
+  panel.hidden = false;
+  if (params.get("preset")) await applyPreset(params.get("preset"), params.get("dataset"));
 }
 
 form.addEventListener("submit", (e) => { e.preventDefault(); save(); });
@@ -460,7 +583,9 @@ async function start() {
     state.schema = schema;
     state.backendSchemas = backendSchemas;
     state.system = system;
-    const from = new URLSearchParams(location.search).get("from");
+    const params = new URLSearchParams(location.search);
+    const from = params.get("from");
+    setMode(localStorage.getItem(MODE_KEY) || "basic");
     if (state.exists || from) {
       const cfg = await api(`/api/configs/${encodeURIComponent(state.exists ? state.name : from)}`);
       load(cfg.latest.train_config, cfg.latest.data_backends, cfg.latest.prompt_library);
@@ -479,6 +604,9 @@ async function start() {
     changed();
     document.getElementById("loading").hidden = true;
     form.hidden = false;
+    if (!state.exists && !from) await setupPresets(params);
+    state.loading = false;
+    setDirty(Boolean(params.get("preset")) && !state.exists); // a filled-in preset is not saved yet
     document.body.dataset.ready = "true";
   } catch (e) {
     document.getElementById("loading").textContent = `Could not load: ${e.message}`;

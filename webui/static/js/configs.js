@@ -56,5 +56,31 @@ async function refresh() {
   }));
 }
 
+async function diskConfigs() {
+  const list = document.getElementById("disk-configs");
+  let files;
+  try { files = await api("/api/configs/files"); } catch (e) {
+    list.replaceChildren(el("li", { class: "muted small" }, `Could not look: ${e.message}`));
+    return;
+  }
+  if (!files.length) { list.replaceChildren(el("li", { class: "muted small" }, "none found")); return; }
+  list.replaceChildren(...files.map((f) => {
+    const id = `import-name-${f.path.replace(/[^A-Za-z0-9]/g, "-")}`;
+    const input = el("input", { type: "text", id, value: f.suggested_name, autocomplete: "off", spellcheck: "false", style: "width:auto" });
+    const button = el("button", { type: "button", class: "small", "aria-label": `Import ${f.path}` }, "Import");
+    button.addEventListener("click", async () => {
+      try {
+        const cfg = await api("/api/configs/import", { method: "POST", body: { name: input.value.trim(), path: f.path } });
+        toast(`Imported ${f.path} as ${cfg.name}.`, { link: { href: `/configs/${encodeURIComponent(cfg.name)}`, text: "Open" } });
+        refresh();
+      } catch (e) {
+        toast(e.errors.length ? e.errors.map((x) => `${x.path}: ${x.message}`).join("; ") : e.message, { error: true, ms: 12000 });
+      }
+    });
+    return el("li", { "data-file": f.path }, el("code", {}, f.path),
+      el("span", { class: "actions" }, el("label", { for: id, class: "small" }, "as"), input, button));
+  }));
+}
+
 api("/api/system").then((s) => { accelerators = s.accelerators; }).catch(() => {});
-refresh().then(() => { document.body.dataset.ready = "true"; });
+Promise.all([refresh(), diskConfigs()]).then(() => { document.body.dataset.ready = "true"; });

@@ -42,6 +42,7 @@ export function describe(prop, defs = {}) {
     default: prop.default !== undefined ? prop.default : base.default,
     nullable,
     readOnly: Boolean(prop.readOnly || base.readOnly),
+    basic: prop.basic,
     constraints: [],
   };
   for (const [k, sym] of [["minimum", "≥"], ["exclusiveMinimum", ">"], ["maximum", "≤"], ["exclusiveMaximum", "<"]]) {
@@ -102,7 +103,7 @@ export function field(key, prop, defs, path, get, set, options = {}) {
   const labelEl = el("label", { for: id }, d.title || key, el("span", { class: "key" }, key));
   const help = el("p", { class: "help", id: helpId }, helpText(d));
   const err = el("p", { class: "err", id: errId, hidden: true });
-  const wrap = el("div", { class: "field", "data-path": path, "data-key": key });
+  const wrap = el("div", { class: `field${prop.basic === false ? " advanced-only" : ""}`, "data-path": path, "data-key": key });
   const described = `${helpId} ${errId}`;
   const value = get();
 
@@ -161,7 +162,7 @@ export function field(key, prop, defs, path, get, set, options = {}) {
 
 /** A nested object (e.g. tread_config) or a list of objects (its routes, webhook_config): a fieldset. */
 function objectField(key, d, defs, path, get, set, options) {
-  const box = el("fieldset", { class: "wide field", "data-path": path, "data-key": key });
+  const box = el("fieldset", { class: `wide field${d.basic === false ? " advanced-only" : ""}`, "data-path": path, "data-key": key });
   box.append(el("legend", {}, d.title || key, el("span", { class: "key" }, key)));
   if (d.description) box.append(el("p", { class: "help" }, d.description));
   const err = el("p", { class: "err", hidden: true });

@@ -2,7 +2,7 @@
 // connection with Last-Event-ID), drawing progress, charts, images, checkpoints and the activity list.
 
 import {
-  api, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
+  api, confirmAction, el, fmtBytes, fmtDuration, fmtNum, fmtTime, follow, progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { LineChart } from "./chart.js";
 
@@ -30,6 +30,7 @@ let logOffset = null;
 let logTimer = null;
 let detailTimer = null;
 let filesTimer = null;
+let lastStage = null;
 
 // ---- job record ----------------------------------------------------------------------------------------
 async function loadJob() {
@@ -60,8 +61,7 @@ function renderJob() {
   cancel.hidden = FINISHED.has(job.status);
   cancel.disabled = job.cancel_requested;
   cancel.textContent = job.cancel_requested ? "Cancelling…" : "Cancel";
-  document.getElementById("retry-button").hidden = !FINISHED.has(job.status);
-  document.getElementById("start-over-button").hidden = !FINISHED.has(job.status);
+  renderActions();
   if (job.progress) applyProgress(job.progress);
   else if (job.status === "queued") {
     document.getElementById("progress-label").textContent = job.queue_position ? `queued, #${job.queue_position} in line` : "queued";
@@ -121,8 +121,52 @@ function refreshJobSoon(ms = 300) {
   detailTimer = setTimeout(async () => { await loadJob(); if (job && FINISHED.has(job.status)) { pollLog(); loadFiles(); } }, ms);
 }
 
+/** The newest checkpoint this job has on disk (or announced): {step, path} or null. */
+function newestCheckpoint() {
+  const all = [...checkpoints.values()].filter((c) => !files.length || files.some((f) => f.path.startsWith(`${rel(c.path)}/`)));
+  all.sort((a, b) => b.step - a.step);
+  if (all.length) return all[0];
+  const r = job?.results || {};
+  return r.last_checkpoint_step ? { step: r.last_checkpoint_step, path: r.last_checkpoint } : null;
+}
+
+const LORA_FILE = "pytorch_lora_weights.safetensors";
+
+function fileHref(path) {
+  return `/api/jobs/${jobId}/files/${path.split("/").map(encodeURIComponent).join("/")}`;
+}
+
+/** Resume (from the newest checkpoint) beside Retry (from step 0) on a finished job; Download LoRA: the final
+ *  LoRA, else the newest checkpoint's. */
+function renderActions() {
+  if (!job) return;
+  const finished = FINISHED.has(job.status);
+  const newest = newestCheckpoint();
+  const resume = document.getElementById("resume-button");
+  resume.hidden = !finished || job.status === "succeeded" || !newest;
+  if (newest) resume.textContent = `Resume from step ${newest.step}`;
+  document.getElementById("retry-button").hidden = !finished;
+  const link = document.getElementById("download-lora");
+  const final = rel(job.results?.lora_path);
+  const finalFile = final && (!files.length || files.some((f) => f.path === final)) ? final : null;
+  const ckptFile = newest && rel(newest.path) ? `${rel(newest.path)}/${LORA_FILE}` : null;
+  const target = finalFile || (ckptFile && files.some((f) => f.path === ckptFile) ? ckptFile : null);
+  link.hidden = !target;
+  if (target) {
+    link.href = fileHref(target);
+    link.setAttribute("download", finalFile ? LORA_FILE : `${job.name || `job-${job.id}`}-step-${newest.step}-${LORA_FILE}`);
+    link.textContent = finalFile ? "Download LoRA" : `Download LoRA (step ${newest.step})`;
+    link.dataset.path = target;
+  }
+}
+
 // ---- events ------------------------------------------------------------------------------------------
 function applyProgress(p) {
+  if (p.stage && !p.total_steps) { // start-up: loading, caching N/M
+    setProgress(bar, p.done || 0, p.total || 0);
+    document.getElementById("progress-label").textContent = `${p.stage}${p.total ? ` ${p.done} / ${p.total}` : "…"}`;
+    return;
+  }
   setProgress(bar, p.step || 0, p.total_steps || 0);
   document.getElementById("progress-label").textContent = p.total_steps ? `step ${p.step} of ${p.total_steps}` : "";
   document.getElementById("stat-step").textContent = p.total_steps ? `${p.step} / ${p.total_steps}` : "–";
@@ -183,6 +227,9 @@ function addValidationImage(d) {
   const res = Array.isArray(d.resolution) ? ` · ${d.resolution.join("×")}` : "";
   const figure = imageFigure(d, `${key}${res}`);
   figure.classList.add("validation-image");
+  figure.dataset.promptText = d.prompt || key;
+  if (d.seed !== undefined && d.seed !== null) figure.dataset.seed = String(d.seed);
+  if (Array.isArray(d.resolution)) figure.dataset.resolution = d.resolution.join("×");
   grid.append(figure);
   applyPromptFilter();
 }
@@ -261,6 +308,12 @@ function onEvent(ev) {
       activity(ev, `checkpoint at step ${d.step}`);
       break;
     case "status":
+      if (d.status === "starting") {
+        if (!job || !job.progress || !job.progress.total_steps) applyProgress(d);
+        if (d.stage !== lastStage) activity(ev, `trainer: ${d.stage}`);
+        lastStage = d.stage;
+        break;
+      }
       activity(ev, `trainer: ${d.status}${d.reason ? ` (${d.reason})` : ""}`);
       break;
     case "error": {
@@ -339,13 +392,19 @@ function renderCheckpoints() {
     const inside = r ? files.filter((f) => f.path.startsWith(`${r}/`)) : [];
     if (files.length && r && !inside.length) { removed.push(c.step); continue; }
     const body = el("div", {}, el("strong", {}, `step ${c.step}`), " ", el("span", { class: "muted small" }, r || c.path));
-    if (inside.length) body.append(el("ul", { class: "small" }, inside.map((f) => el("li", {}, fileLink(f), ` ${fmtBytes(f.size)}`))));
-    items.push(el("li", { "data-step": c.step }, body));
+    const lora = inside.find((f) => f.path === `${r}/${LORA_FILE}`);
+    const others = inside.filter((f) => f !== lora);
+    if (others.length) body.append(el("details", { class: "small" }, el("summary", {}, `${others.length} checkpoint files`),
+      el("ul", {}, others.map((f) => el("li", {}, fileLink(f), ` ${fmtBytes(f.size)}`)))));
+    const row = el("li", { "data-step": c.step }, body);
+    if (lora) row.append(el("a", { class: "button small", href: fileHref(lora.path), download: `step-${c.step}-${LORA_FILE}`, "data-lora": c.step }, `LoRA ${fmtBytes(lora.size)}`));
+    items.push(row);
   }
   if (removed.length) {
     items.push(el("li", { class: "muted small" }, `step${removed.length === 1 ? "" : "s"} ${removed.join(", ")}: removed (checkpoints_total_limit)`));
   }
   list.replaceChildren(...items);
+  renderActions();
 }
 
 function renderArtefacts() {
@@ -364,6 +423,7 @@ async function loadFiles() {
   try { files = await api(`/api/jobs/${jobId}/files`); } catch { return; }
   renderCheckpoints();
   renderArtefacts();
+  renderActions();
 }
 
 function loadFilesSoon() {
@@ -372,19 +432,63 @@ function loadFilesSoon() {
 }
 
 // ---- actions -----------------------------------------------------------------------------------------
+
 document.getElementById("cancel-button").addEventListener("click", async () => {
+  const newest = newestCheckpoint();
+  const keep = newest ? `Its newest checkpoint (step ${newest.step}) is kept: Resume continues from there.` : "It has no checkpoint yet.";
+  if (!(await confirmAction(`Cancel job ${jobId}?`, `The trainer stops. ${keep}`, "Cancel the job"))) return;
   try { await api(`/api/jobs/${jobId}/cancel`, { method: "POST" }); toast("Cancel requested."); refreshJobSoon(0); } catch (e) { toast(e.message, { error: true }); }
 });
-// Retry continues this job's run from its newest checkpoint; Start over begins again at step 0 (the old output
-// stays in the run dir). Either way the page reloads to follow the new attempt.
+// Resume continues this job's run from its newest checkpoint; Retry begins again at step 0 (the old output stays
+// in the run dir). Either way the page reloads to follow the new attempt.
 async function retry(startOver) {
   try {
     await api(`/api/jobs/${jobId}/retry`, { method: "POST", body: { start_over: startOver } });
     location.reload();
   } catch (e) { toast(e.message, { error: true }); }
 }
-document.getElementById("retry-button").addEventListener("click", () => retry(false));
-document.getElementById("start-over-button").addEventListener("click", () => retry(true));
+document.getElementById("resume-button").addEventListener("click", () => retry(false));
+document.getElementById("retry-button").addEventListener("click", async () => {
+  if (newestCheckpoint() && !(await confirmAction("Retry from the start?", "The run starts again at step 0; its current output is kept aside in the run dir.", "Retry from step 0"))) return;
+  retry(true);
+});
+
+// ---- lightbox ------------------------------------------------------------------------------------------
+let lightboxAt = -1;
+
+function lightboxFigures() {
+  return [...document.querySelectorAll("#gallery figure.validation-image:not([hidden])")].filter((f) => f.querySelector("img"));
+}
+
+function showLightbox(index) {
+  const figures = lightboxFigures();
+  if (!figures.length) return;
+  lightboxAt = (index + figures.length) % figures.length;
+  const fig = figures[lightboxAt];
+  const img = document.getElementById("lightbox-image");
+  img.src = fig.querySelector("img").src;
+  img.alt = fig.querySelector("img").alt;
+  const facts = [["Prompt", fig.dataset.promptText || fig.dataset.prompt], ["Step", fig.dataset.step], ["Seed", fig.dataset.seed || "–"],
+    ["Size", fig.dataset.resolution || "–"], ["Image", `${lightboxAt + 1} of ${figures.length}`]];
+  document.getElementById("lightbox-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", { "data-fact": k.toLowerCase() }, v)]));
+  document.getElementById("lightbox-open").href = img.src;
+  const dialog = document.getElementById("lightbox");
+  if (!dialog.open) dialog.showModal();
+}
+
+document.getElementById("gallery").addEventListener("click", (e) => {
+  const fig = e.target.closest("figure.validation-image");
+  if (!fig || !fig.querySelector("img") || e.ctrlKey || e.metaKey || e.shiftKey) return;
+  e.preventDefault();
+  showLightbox(lightboxFigures().indexOf(fig));
+});
+document.getElementById("lightbox-prev").addEventListener("click", () => showLightbox(lightboxAt - 1));
+document.getElementById("lightbox-next").addEventListener("click", () => showLightbox(lightboxAt + 1));
+document.getElementById("lightbox-close").addEventListener("click", () => document.getElementById("lightbox").close());
+document.getElementById("lightbox").addEventListener("keydown", (e) => {
+  if (e.key === "ArrowLeft") showLightbox(lightboxAt - 1);
+  if (e.key === "ArrowRight") showLightbox(lightboxAt + 1);
+});
 document.getElementById("gallery-prompt").addEventListener("change", applyPromptFilter);
 
 function liveState(state) {

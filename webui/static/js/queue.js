@@ -1,7 +1,7 @@
 // The queue: submit, filter, cancel, retry; rows follow the all-jobs event stream.
 
 import {
-  api, describeProcesses, el, fmtDuration, fmtNum, fmtTime, follow, gpuPreference, processesFor,
+  api, confirmAction, describeProcesses, el, fmtDuration, fmtNum, fmtTime, follow, gpuPreference, processesFor,
   progressBar, setProgress, statusBadge, toast,
 } from "./api.js";
 import { showErrors, clearErrors } from "./form.js";
@@ -14,11 +14,15 @@ let filter = "";
 let accelerators = [];
 let refreshTimer = null;
 
+function stageText(p) {
+  return p.stage ? `${p.stage}${p.total ? ` ${p.done} / ${p.total}` : "…"}` : "";
+}
+
 function progressCells(job) {
   const p = job.progress || {};
   const bar = progressBar();
-  setProgress(bar, p.step || 0, p.total_steps || 0);
-  const label = el("div", { class: "progress-label" }, p.total_steps ? `${p.step} / ${p.total_steps}` : (job.status === "queued" && job.queue_position ? `#${job.queue_position} in line` : ""));
+  setProgress(bar, p.step || p.done || 0, p.total_steps || p.total || 0);
+  const label = el("div", { class: "progress-label" }, p.total_steps ? `${p.step} / ${p.total_steps}` : (job.status === "queued" && job.queue_position ? `#${job.queue_position} in line` : (job.status === "running" ? stageText(p) || "starting…" : "")));
   return { bar, label, loss: el("span", {}, fmtNum(p.loss)), its: el("span", {}, fmtNum(p.it_per_s, 3)), eta: el("span", {}, job.status === "running" ? fmtDuration(p.eta_s) : "–") };
 }
 
@@ -42,10 +46,10 @@ async function act(url, method, done) {
   }
 }
 
-// Retry re-queues the same job: it continues its run from the newest checkpoint (the job page can start over).
-async function retry(job) {
+// Resume re-queues the same job to continue its run from the newest checkpoint; Retry runs it again from step 0.
+async function retry(job, startOver) {
   try {
-    const queued = await api(`/api/jobs/${job.id}/retry`, { method: "POST", body: { start_over: false } });
+    const queued = await api(`/api/jobs/${job.id}/retry`, { method: "POST", body: { start_over: startOver } });
     toast(`Job ${job.id} queued again: ${queued.reason || "retrying"}.`, { link: { href: `/jobs/${job.id}`, text: "Open" } });
     scheduleRefresh(0);
   } catch (e) {
@@ -53,16 +57,30 @@ async function retry(job) {
   }
 }
 
+
 function row(job) {
   const parts = progressCells(job);
   const actions = el("div", { class: "actions" });
   if (job.status === "queued" || job.status === "running") {
     actions.append(el("button", { type: "button", class: "small danger", disabled: job.cancel_requested, "aria-label": `Cancel job ${job.id}`,
-      onclick: () => act(`/api/jobs/${job.id}/cancel`, "POST", `Cancelling job ${job.id}.`) }, job.cancel_requested ? "Cancelling…" : "Cancel"));
+      onclick: async () => {
+        if (await confirmAction(`Cancel job ${job.id}?`, "The trainer stops; its checkpoints are kept, and Resume continues from the newest.", "Cancel the job")) {
+          act(`/api/jobs/${job.id}/cancel`, "POST", `Cancelling job ${job.id}.`);
+        }
+      } }, job.cancel_requested ? "Cancelling…" : "Cancel"));
   } else {
-    actions.append(el("button", { type: "button", class: "small", "aria-label": `Retry job ${job.id}`, onclick: () => retry(job) }, "Retry"));
+    const step = (job.results || {}).last_checkpoint_step;
+    if (step && job.status !== "succeeded") {
+      actions.append(el("button", { type: "button", class: "small primary", "aria-label": `Resume job ${job.id} from step ${step}`,
+        onclick: () => retry(job, false) }, `Resume (step ${step})`));
+    }
+    actions.append(el("button", { type: "button", class: "small", "aria-label": `Retry job ${job.id} from the start`, onclick: () => retry(job, true) }, "Retry"));
     actions.append(el("button", { type: "button", class: "small ghost", "aria-label": `Remove job ${job.id} from the list`,
-      onclick: () => act(`/api/jobs/${job.id}`, "DELETE", `Removed job ${job.id}.`) }, "Remove"));
+      onclick: async () => {
+        if (await confirmAction(`Remove job ${job.id}?`, "It leaves the list; its run folder (checkpoints, LoRA, log) stays on disk.", "Remove")) {
+          act(`/api/jobs/${job.id}`, "DELETE", `Removed job ${job.id}.`);
+        }
+      } }, "Remove"));
   }
   const name = job.name || job.config_name || `job ${job.id}`;
   const tr = el("tr", { "data-job": job.id, "data-status": job.status },
@@ -187,6 +205,10 @@ function liveState(state) {
 function onEvent(ev) {
   const known = rows.get(ev.job_id);
   if (ev.type === "progress" && known) applyProgress(known.parts, ev.data);
+  else if (ev.type === "status" && known && ev.data.status === "starting") {
+    setProgress(known.parts.bar, ev.data.done || 0, ev.data.total || 0);
+    known.parts.label.textContent = stageText(ev.data);
+  }
   else if (ev.type === "job") scheduleRefresh();
 }
 
