@@ -134,7 +134,7 @@ class RecordingReporter:
         self.events: list[tuple] = []
 
     def image(self, kind, step, path, prompt=None, nickname=None, resolution=None, inference_step=None,
-              video_path=None):
+              video_path=None, seed=None):
         self.events.append(("image", kind, step, Path(path), nickname, inference_step))
         if video_path is not None:
             self.events.append(("video", kind, step, Path(video_path), nickname))

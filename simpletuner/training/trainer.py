@@ -224,7 +224,8 @@ def cache_sets(samples, vae_caches: dict[str, TensorCache]) -> tuple[dict[str, l
     return latent_sets, reference_sets, mask_sets
 
 
-def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None) -> TrainData:
+def prepare_data(config, backends, adapter, accelerator, evaluator: Evaluator | None = None,
+                 startup: StartupReport | None = None) -> TrainData:
     """Discover samples (with their paired reference images and loss masks), fill the latent, mask and text caches
     (main process first), and build the bucket sampler from the samples that encoded (a file that cannot be decoded
     is skipped, named and counted, never fatal mid-run)."""

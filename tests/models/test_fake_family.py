@@ -72,7 +72,7 @@ FAKE_UNET = ModelFamily(
     adapter="tests.models.test_fake_family:FakeUNetAdapter",
     flavours=MappingProxyType({"v1": "example/fake-unet", "tiny": None}),
     default_flavour="tiny", lora_targets=("attention",), default_lora_target="attention",
-    objectives=("epsilon", "v_prediction"),
+    objectives=("epsilon", "v_prediction"), resolution_multiple=8,
 )
 
 

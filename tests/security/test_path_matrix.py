@@ -35,6 +35,8 @@ TRAIN_FIELDS = {
     "logging_dir": ("dir", "output_dir"),
     "webhook_config": ("webhook", "workdir"),
     "lycoris_config": ("json", "workdir"),
+    "deepspeed_config": ("json", "workdir"),
+    "cache_manifest": ("file", "workdir"),
 }
 DATA_FIELDS = [("d", "instance_data_dir"), ("d", "cache_dir_vae"), ("te", "cache_dir")]
 

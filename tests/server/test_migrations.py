@@ -39,7 +39,7 @@ def test_the_migrations_build_the_models_tables(backend, tmp_path, request):
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
     migrations.upgrade(engine)
-    assert migrations.current(engine) == migrations.head() == "0003"
+    assert migrations.current(engine) == migrations.head() == "0004"
     assert _drift(engine) == []  # a model change without a revision fails here
     migrations.upgrade(engine)  # idempotent
     engine.dispose()

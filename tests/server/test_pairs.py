@@ -117,7 +117,7 @@ def test_a_database_from_before_split_jobs_loads(db_url, settings_factory):
     engine.dispose()
     app = create_app(settings_factory(db_url=db_url, run_scheduler=False))
     with TestClient(app, client=LOOPBACK, base_url="http://127.0.0.1") as c:
-        assert migrations.current(create_engine(db_url)) == "0003"
+        assert migrations.current(create_engine(db_url)) == "0004"
         old = c.get("/api/jobs").json()["jobs"]
         assert [(j["name"], j["kind"], j["depends_on"]) for j in old] == [("old", "train", None)]
         cache = c.post("/api/jobs", json=job_body(kind="cache")).json()

@@ -228,7 +228,7 @@ def test_plan_writes_the_run_dir_and_the_accelerate_command(tmp_path, workdir, m
     run_dir = mgr.run_dir_for(job_id)
     assert plan.run_dir == run_dir and plan.cwd == workdir and plan.devices == [] and plan.resume_step is None
     assert plan.cmd == [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                        "--num_machines", "1", "--dynamo_backend", "no", "--cpu",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
                         "-m", "simpletuner.train", "--config", str(run_dir / "config.json")]
     config = json.loads((run_dir / "config.json").read_text())
     assert "--output_dir" not in config and config["output_dir"] == str(run_dir / "output")
@@ -438,7 +438,7 @@ def test_a_job_that_needs_more_accelerators_than_the_server_has_fails_at_once(tm
     assert mgr._start_next() is True and launched == [small]
     assert mgr._start_next() is False
     assert mgr.summary() == {"server_id": mgr.server_id, "max_concurrent": 2, "accelerators": ["0", "1"],
-                             "running_here": []}
+                             "running_here": [], "local_worker": True}
 
 
 def _finish_as(mgr: JobManager, job_id: int, status: str = "failed") -> None:
