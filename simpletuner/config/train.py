@@ -20,6 +20,7 @@ from typing import Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
+from .distill import DistillationConfig
 from . import paths
 from .errors import ConfigError, FieldError
 from .families import (
@@ -45,6 +46,7 @@ GROUPS: dict[str, str] = {
     "validation": "Validation",
     "logging": "Logging",
     "data": "Data",
+    "distillation": "Distillation",
 }
 # Upper bounds that no real run comes near; they turn typos such as max_train_steps=2**63 into clear errors.
 MAX_STEPS = 1_000_000_000
@@ -555,6 +557,13 @@ class TrainConfig(StrictModel):
         None, "tread", "TREAD token routing: {\"routes\": [{selection_ratio, start_layer_idx, end_layer_idx}]}"
     )
 
+    # distillation
+    distillation: Optional[DistillationConfig] = _field(
+        None, "distillation", "turn the model (the teacher) into a few-step student: {\"objective\": \"dmd\", "
+                              "\"prompts\": [...], \"denoising_step_list\": [1000, 750, 500, 250], ...}; empty = "
+                              "fine-tuning (see docs/distillation.md)"
+    )
+
     # validation / evaluation
     validation_steps: Optional[Int] = _field(
         None, "validation", "generate validation images every n steps", ge=1, le=MAX_STEPS
@@ -645,10 +654,10 @@ class TrainConfig(StrictModel):
             parse_resolution_list(value)  # raises ValueError with the bad item
         return value
 
-    @field_validator("tread_config", mode="before")
+    @field_validator("tread_config", "distillation", mode="before")
     @classmethod
     def _tread_json(cls, value: Any) -> Any:
-        # SimpleTuner's command line passes tread_config as a JSON string
+        # SimpleTuner's command line passes tread_config (and --distillation) as a JSON string
         if isinstance(value, str):
             try:
                 return json.loads(value)
@@ -830,6 +839,8 @@ class TrainConfig(StrictModel):
                     "block (gradient_checkpointing true, gradient_checkpointing_interval empty or 1)",
                 )
             )
+        if self.distillation is not None:
+            errors.extend(distillation_errors(self))
         if self.model_type == "lora" and self.lora_alpha is None:
             self.lora_alpha = float(self.lora_rank)
         if errors:
@@ -853,6 +864,18 @@ class TrainConfig(StrictModel):
             return [(side, side)]
         side = int(self.resolution)
         return [(side, side)]
+
+
+def distillation_errors(config: TrainConfig) -> list[FieldError]:
+    """Fine-tuning settings the distillation recipe does not read, refused when they are turned on."""
+    refused = {
+        "tread_config": config.tread_config is not None,
+        "caption_dropout_probability": bool(config.caption_dropout_probability),
+        "eval_steps_interval": config.eval_steps_interval is not None,
+        "lora_type": config.model_type == "lora" and config.lora_type == "lycoris",
+    }
+    return [FieldError(name, "is not used by the distillation recipe; remove it (or the distillation block)")
+            for name, on in refused.items() if on]
 
 
 def is_local(path: str) -> bool:
