@@ -13,6 +13,8 @@ import sys
 # subcommand -> (module, help). Each module provides ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("simpletuner.training.cli", "train a model from config.json + multidatabackend.json"),
+    "distill-pairs": ("simpletuner.training.distill_cli",
+                      "make the teacher's ODE trajectories of a distillation config (ode_regression, gan)"),
     "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
     "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
     "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),
@@ -21,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 # commands that take any config key as a flag, as SimpleTuner's command line does: `--lora_rank=4 --seed 42`
-CONFIG_FLAG_COMMANDS = ("train", "validate")
+CONFIG_FLAG_COMMANDS = ("train", "validate", "distill-pairs")
 
 
 class _LazyParser(argparse.ArgumentParser):

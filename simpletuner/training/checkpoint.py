@@ -8,7 +8,10 @@ A checkpoint folder ``checkpoint-<step>`` holds
 - ``scheduler.pt``;
 - ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
 - ``ema.pt`` with ``use_ema``: the EMA of the trained weights and its update count;
-- ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded.
+- ``training_state.json``: the run position (``RunState``), the world size and whether the optimizer is sharded;
+- a recipe with more than one trained network (distillation: the student's critic) adds
+  ``trainable-<name>.safetensors`` per further network and ``<name>.pt`` per further state (its optimizer, its
+  learning-rate schedule), written and read with the rest.
 
 Every rank writes into ``.checkpoint-<step>.tmp`` and the main process renames it into place once all have
 finished, its files flushed to disk, so a crash never leaves a half-written checkpoint that resume would pick up
@@ -26,7 +29,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,7 @@ log = logging.getLogger("simpletuner.checkpoint")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TEMP = re.compile(r"^\.checkpoint-\d+(\.tmp|-.*)$")
+_PART = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 class CheckpointDamaged(ValueError):
@@ -135,12 +139,18 @@ def _fsync_tree(folder: Path) -> None:
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] | None = None, sharded_optimizer: bool = False,
-                    ema_state: dict | None = None) -> Path:
+                    ema_state: dict | None = None, extra_trainable: Mapping[str, dict[str, torch.Tensor]] | None = None,
+                    extra_states: Mapping[str, dict] | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only. With ``sharded_optimizer`` each rank saves its own optimizer
-    state; otherwise the main process saves the (replicated) one.
+    state; otherwise the main process saves the (replicated) one. ``extra_trainable`` / ``extra_states`` (main
+    process): further networks' weights and further states by name (``trainable-<name>.safetensors``,
+    ``<name>.pt``).
     """
+    for name in [*(extra_trainable or {}), *(extra_states or {})]:
+        if not _PART.match(name) or name in ("optimizer", "scheduler", "rng", "ema", "trainable"):
+            raise ValueError(f"checkpoint part name {name!r} is not a plain lowercase name of its own")
     barrier = barrier or (lambda: None)
     root = Path(output_dir)
     step = state.global_step
@@ -165,6 +175,11 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if ema_state is not None:
                 torch.save(ema_state, tmp / "ema.pt")
+            for name, tensors in (extra_trainable or {}).items():
+                save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                          tmp / f"trainable-{name}.safetensors")
+            for name, extra in (extra_states or {}).items():
+                torch.save(extra, tmp / f"{name}.pt")
             meta = {**state.position(), "world_size": world_size, "sharded_optimizer": sharded_optimizer}
             (tmp / "training_state.json").write_text(json.dumps(meta, indent=2))
             _fsync_tree(tmp)
@@ -193,10 +208,11 @@ def read_training_state(path: Path) -> dict:
     return saved
 
 
-def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
+def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, *, extra_trainable=(), extra_states=()) -> dict:
     """Every file of ``checkpoint-<step>`` this rank restores, read into memory; CheckpointDamaged names the first
     one that is missing or does not read back whole, so a damaged checkpoint restores nothing. Every rank's RNG
-    file is read on every rank, so all ranks judge a checkpoint alike."""
+    file is read on every rank, so all ranks judge a checkpoint alike. ``extra_trainable`` / ``extra_states``
+    name the further parts a recipe saved (each must be there)."""
     path = Path(path)
     saved = read_training_state(path)
     sharded = bool(saved.get("sharded_optimizer"))
@@ -212,6 +228,16 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
         parts["trainable"] = load_file(path / "trainable.safetensors")
     except Exception as exc:  # safetensors' own error type: a truncated file, a bad header
         raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
+    parts["extra_trainable"] = {}
+    for name in extra_trainable:
+        file = path / f"trainable-{name}.safetensors"
+        if not file.is_file():
+            raise CheckpointDamaged(f"{file}: missing")
+        try:
+            parts["extra_trainable"][name] = load_file(file)
+        except Exception as exc:
+            raise CheckpointDamaged(f"{file}: damaged ({exc})") from None
+    parts["extra_states"] = {name: _load(path / f"{name}.pt") for name in extra_states}
     parts["optimizer"] = _load(path / (f"optimizer-rank{rank}.pt" if sharded else "optimizer.pt"))
     parts["scheduler"] = _load(path / "scheduler.pt")
     if (path / "ema.pt").is_file():
@@ -223,9 +249,14 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> dict:
     return parts
 
 
-def _restore(parts: dict, state: RunState, optimizer, lr_scheduler, ema=None) -> dict[str, torch.Tensor]:
-    if ema is not None and "ema" in parts:  # first: it checks the saved shapes against the model
+def _restore(parts: dict, state: RunState, optimizer, lr_scheduler, ema=None, extra_trainable=None,
+             extra_states=None, source: str = "") -> dict[str, torch.Tensor]:
+    for name, load in (extra_trainable or {}).items():  # first, with the EMA: they check shapes against the models
+        load(parts["extra_trainable"][name], f"{source}/trainable-{name}.safetensors")
+    if ema is not None and "ema" in parts:
         ema.load_state_dict(parts["ema"], parts["ema_file"])
+    for name, target in (extra_states or {}).items():
+        target.load_state_dict(parts["extra_states"][name])
     optimizer.load_state_dict(parts["optimizer"])
     lr_scheduler.load_state_dict(parts["scheduler"])
     restore_rng(parts["rng"], state.generator)
@@ -234,30 +265,38 @@ def _restore(parts: dict, state: RunState, optimizer, lr_scheduler, ema=None) ->
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
-                    world_size: int = 1, ema=None) -> dict[str, torch.Tensor]:
+                    world_size: int = 1, ema=None, extra_trainable=None, extra_states=None) -> dict[str, torch.Tensor]:
     """Restore optimizer, scheduler, the EMA (when ``ema`` is given), this rank's RNG and the run position into
     ``state``; returns the trainable weights. Everything is read (and checked) before anything is restored. A
-    checkpoint with per-rank optimizer shards needs the world size it was saved with."""
-    return _restore(read_checkpoint(path, rank, world_size), state, optimizer, lr_scheduler, ema)
+    checkpoint with per-rank optimizer shards needs the world size it was saved with. ``extra_trainable`` maps a
+    further network's name to ``load(weights, source)``; ``extra_states`` a further state's name to an object with
+    ``load_state_dict``."""
+    parts = read_checkpoint(path, rank, world_size, extra_trainable=tuple(extra_trainable or ()),
+                            extra_states=tuple(extra_states or ()))
+    return _restore(parts, state, optimizer, lr_scheduler, ema, extra_trainable, extra_states, str(path))
 
 
 def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: RunState, *, optimizer, lr_scheduler,
-           rank: int = 0, world_size: int = 1, ema=None) -> tuple[Path, dict[str, torch.Tensor]] | None:
+           rank: int = 0, world_size: int = 1, ema=None, extra_trainable=None,
+           extra_states=None) -> tuple[Path, dict[str, torch.Tensor]] | None:
     """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights), or None when there is
-    nothing to resume. With ``latest`` a damaged newest checkpoint is reported by file and the one before it used."""
+    nothing to resume. With ``latest`` a damaged newest checkpoint is reported by file and the one before it used.
+    ``extra_trainable`` / ``extra_states`` as for ``load_checkpoint``."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint != "latest":
         path = resolve_resume(output_dir, resume_from_checkpoint)
         return path, load_checkpoint(path, state, optimizer=optimizer, lr_scheduler=lr_scheduler, rank=rank,
-                                     world_size=world_size, ema=ema)
+                                     world_size=world_size, ema=ema, extra_trainable=extra_trainable,
+                                     extra_states=extra_states)
     for path in reversed(list_checkpoints(output_dir)):
         try:
-            parts = read_checkpoint(path, rank, world_size)
+            parts = read_checkpoint(path, rank, world_size, extra_trainable=tuple(extra_trainable or ()),
+                                    extra_states=tuple(extra_states or ()))
         except CheckpointDamaged as exc:
             log.warning("%s; resuming from the checkpoint before it", exc)
             continue
-        return path, _restore(parts, state, optimizer, lr_scheduler, ema)
+        return path, _restore(parts, state, optimizer, lr_scheduler, ema, extra_trainable, extra_states, str(path))
     return None
 
 

@@ -125,7 +125,10 @@ def run(args) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from simpletuner.config import ConfigError
     from simpletuner.data.discovery import DatasetError
-    from simpletuner.training.trainer import run as run_training
+    if loaded.config.distillation is not None:  # the distillation recipe, beside fine-tuning's
+        from simpletuner.training.distill import run as run_training
+    else:
+        from simpletuner.training.trainer import run as run_training
 
     try:
         return run_training(loaded.config, backends)
