@@ -57,7 +57,7 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "validation_seed": V, "user_prompt_library": PROMPTS, "validation_preview": E, "validation_preview_steps": V,
     "evaluation_type": E, "pretrained_evaluation_model_name_or_path": "simpletuner/evaluation/clip_score.py",
     "eval_steps_interval": E, "report_to": TRACK, "tracker_project_name": TRACK, "tracker_run_name": TRACK,
-    "logging_dir": TRACK, "webhook_config": T,
+    "logging_dir": TRACK, "webhook_config": T, "distillation": "simpletuner/training/distill.py",
 }
 # fields the config layer itself consumes, and why that is where they act
 TRAIN_CONFIG_ONLY = {
@@ -207,6 +207,7 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
                 "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
                 "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
+                "distillation",  # the distillation recipe (tests/training/test_distill.py)
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

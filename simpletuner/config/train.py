@@ -874,8 +874,15 @@ def distillation_errors(config: TrainConfig) -> list[FieldError]:
         "eval_steps_interval": config.eval_steps_interval is not None,
         "lora_type": config.model_type == "lora" and config.lora_type == "lycoris",
     }
-    return [FieldError(name, "is not used by the distillation recipe; remove it (or the distillation block)")
-            for name, on in refused.items() if on]
+    errors = [FieldError(name, "is not used by the distillation recipe; remove it (or the distillation block)")
+              for name, on in refused.items() if on]
+    if not config.max_train_steps:
+        errors.append(FieldError("max_train_steps", "a distillation learns from prompts, with no epochs over a "
+                                                    "dataset: set max_train_steps"))
+    if config.gradient_accumulation_steps != 1:
+        errors.append(FieldError("gradient_accumulation_steps", "the distillation recipe steps every network every "
+                                                                "step; raise train_batch_size instead"))
+    return errors
 
 
 def is_local(path: str) -> bool:

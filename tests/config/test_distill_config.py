@@ -12,7 +12,7 @@ from simpletuner.config.distill import warped_step_list
 
 def load(distillation, **values):
     return load_train_config({"model_family": "flux", "model_flavour": "tiny", "distillation": distillation,
-                              **values}).config
+                              "max_train_steps": 10, **values}).config
 
 
 def errors_of(distillation, **values) -> dict[str, str]:
@@ -71,6 +71,9 @@ def test_fine_tuning_settings_it_does_not_read_are_refused():
                        tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1}]})
     assert "not used by the distillation recipe" in errors["caption_dropout_probability"]
     assert "tread_config" in errors
+    errors = errors_of({"prompts": ["x"]}, max_train_steps=None, num_train_epochs=3, gradient_accumulation_steps=2)
+    assert "set max_train_steps" in errors["max_train_steps"]
+    assert "raise train_batch_size" in errors["gradient_accumulation_steps"]
 
 
 def test_warped_step_list_follows_the_shifted_schedule():
