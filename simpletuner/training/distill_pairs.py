@@ -73,12 +73,12 @@ def pair_noise(seed: int, prompt: str, index: int, shape: tuple[int, ...]) -> to
 def fill_pairs(config, adapter, teacher, specs: list[PairSpec], cache: TensorCache, text, *,
                latent_shape: tuple[int, ...], student_steps: list[float], rank: int = 0, world_size: int = 1,
                autocast=None, show_progress: bool = True) -> int:
-    """Make the missing trajectories of this rank's share (``specs[rank::world_size]`` of those not yet stored);
-    returns how many it made. ``text(prompt)`` and ``text(None)`` give a prompt's and the negative prompt's batched
-    embeddings."""
+    """Make the missing trajectories of this rank's share (``specs[rank::world_size]``: shares never depend on what
+    another rank has stored already); returns how many it made. ``text(prompt)`` and ``text(None)`` give a prompt's
+    and the negative prompt's batched embeddings."""
     d = config.distillation
     schedule = teacher_schedule(d.teacher_num_inference_steps, d.timestep_shift, student_steps)
-    todo = [s for s in specs if not cache.has(s.key)][rank::world_size]
+    todo = [s for s in specs[rank::world_size] if not cache.has(s.key)]
     if not todo:
         return 0
     denoiser = Denoiser(adapter, teacher, **({"autocast": autocast} if autocast else {}))
