@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("simpletuner.training.cli", "train a model from config.json + multidatabackend.json"),
     "distill-pairs": ("simpletuner.training.distill_cli",
                       "make the teacher's ODE trajectories of a distillation config (ode_regression, gan)"),
+    "stream-video": ("simpletuner.training.stream_cli",
+                     "stream a video block by block from a causal (Self-Forcing) Wan student"),
     "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
     "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
     "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),

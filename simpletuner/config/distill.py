@@ -39,6 +39,8 @@ APPLIES_TO = {
     "r2_weight": ("gan",), "r1_sigma": ("gan",), "r2_sigma": ("gan",),
     "teacher_num_inference_steps": ("ode_regression", "gan"), "ode_pairs_per_prompt": ("ode_regression", "gan"),
 }
+CAUSAL_ONLY = ("num_frame_per_block", "local_attn_size", "same_step_across_blocks", "last_step_only",
+               "independent_first_frame", "context_noise")
 
 
 class DistillationConfig(StrictModel):
@@ -108,6 +110,20 @@ class DistillationConfig(StrictModel):
     num_frames: Optional[Int] = Field(
         None, ge=1, description="video families: frames of the student's clips (4k + 1 for Wan); empty = the "
                                 "family's validation length")
+    causal: bool = Field(
+        False, description="Self-Forcing: the student is a causal Wan that makes the video block by block, each block "
+                           "attending to the blocks before it through a KV cache (model_family wan)")
+    num_frame_per_block: Int = Field(3, ge=1, le=1000, description="latent frames per block of the causal student")
+    local_attn_size: Int = Field(
+        -1, ge=-1, le=100_000, description="latent frames a block attends to, itself included; -1 = every earlier frame")
+    same_step_across_blocks: bool = Field(
+        True, description="the rollout stops every block at the same random step (else a random step per block)")
+    last_step_only: bool = Field(False, description="the rollout always stops at the student's last step")
+    independent_first_frame: bool = Field(
+        False, description="the first block is one latent frame, then blocks of num_frame_per_block")
+    context_noise: Int = Field(
+        0, ge=0, le=1000, description="timestep a finished block is noised to before its keys and values become the "
+                                      "context of the next blocks (0 = clean)")
     validation_num_samples: Int = Field(
         2, ge=0, le=64, description="fixed noises the student's samples are compared on with the teacher's at each "
                                     "validation (scores distill/teacher_mse_<n>step); 0 = none")
@@ -156,6 +172,14 @@ class DistillationConfig(StrictModel):
             changed = getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)
             if changed and not set(wanted) & set(self.objectives):
                 errors.append(FieldError(name, f"applies to {' and '.join(wanted)}; objective is {self.objective!r}"))
+        for name in CAUSAL_ONLY:
+            changed = getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)
+            if changed and not self.causal:
+                errors.append(FieldError(name, "applies to a causal student; set causal: true"))
+        if self.local_attn_size != -1 and self.local_attn_size < self.num_frame_per_block:
+            errors.append(FieldError("local_attn_size", f"{self.local_attn_size} frames is less than a block "
+                                                        f"(num_frame_per_block {self.num_frame_per_block}); -1 or at "
+                                                        "least a block"))
         if errors:
             raise ConfigError(errors)
         if self.student_sampler is None:

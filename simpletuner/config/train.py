@@ -879,6 +879,9 @@ def distillation_errors(config: TrainConfig) -> list[FieldError]:
     if not config.max_train_steps:
         errors.append(FieldError("max_train_steps", "a distillation learns from prompts, with no epochs over a "
                                                     "dataset: set max_train_steps"))
+    if config.distillation.causal and config.model_family != "wan":
+        errors.append(FieldError("distillation.causal", f"the causal (Self-Forcing) student is a Wan; model_family is "
+                                                        f"{config.model_family!r}"))
     if config.gradient_accumulation_steps != 1:
         errors.append(FieldError("gradient_accumulation_steps", "the distillation recipe steps every network every "
                                                                 "step; raise train_batch_size instead"))

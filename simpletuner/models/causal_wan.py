@@ -200,6 +200,7 @@ def causal_forward(model, hidden_states: torch.Tensor, timestep: torch.Tensor, e
     new_k, new_v = [], []
     end = frame_offset + frames
     use_checkpoint = torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False)
+    interval = getattr(model, "_gradient_checkpointing_interval", 1)  # gradient_checkpointing_interval
     for i, block in enumerate(model.blocks):
         if cache is not None:
             if i not in cache.cross:
@@ -210,7 +211,10 @@ def causal_forward(model, hidden_states: torch.Tensor, timestep: torch.Tensor, e
             text_k, text_v = _text_kv(block.attn2, text)
             past_k = past_v = None
         args = (block, x, proj, cos, sin, text_k, text_v, past_k, past_v, mask)
-        x, k, v = checkpoint(_block, *args, use_reentrant=False) if use_checkpoint else _block(*args)
+        if use_checkpoint and i % interval == 0:  # the cache's tensors are arguments: a recompute sees the same
+            x, k, v = checkpoint(_block, *args, use_reentrant=False)
+        else:
+            x, k, v = _block(*args)
         new_k.append(k)
         new_v.append(v)
     if cache is not None and commit:
@@ -289,3 +293,49 @@ def generate_blocks(model, noise: torch.Tensor, text: torch.Tensor, steps: list[
                 denoise(clean, context_noise, commit=True)
             else:
                 context.append(clean)
+
+
+# ---- streaming inference -------------------------------------------------------------------------------------
+class StreamingDecoder:
+    """Decodes a Wan latent video block by block with the VAE's causal feature cache: the frames come out as each
+    block arrives and equal one decode of the whole latent (diffusers' ``AutoencoderKLWan._decode`` runs one latent
+    frame at a time over the same cache)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.vae = adapter.vae if adapter.vae is not None else adapter.load_vae()
+        self.vae.clear_cache()
+        self.first = True
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents (B, 16, k, h, w) of the next block -> pixels (B, 3, frames, H, W) in [-1, 1]."""
+        vae = self.vae
+        mean, std = self.adapter._latent_stats(latents.float())
+        x = vae.post_quant_conv((latents.float() * std + mean).to(self.adapter.device, vae.dtype))
+        out = []
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            out.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                   first_chunk=self.first))
+            self.first = False
+        return torch.cat(out, dim=2).clamp(-1, 1)
+
+    def close(self) -> None:
+        self.vae.clear_cache()
+
+
+def stream_video(adapter, model, prompt_embeds: torch.Tensor, noise: torch.Tensor, steps: list[float],
+                 layout: CausalLayout, *, sampler: str = "consistency", seed: int = 0,
+                 context_noise: float = 0.0) -> Iterator[tuple[BlockSample, torch.Tensor]]:
+    """The causal student's video, block by block: each block denoised in ``steps`` with the KV cache of the blocks
+    before it, then decoded at once; yields (the block's latents, its pixels (B, 3, frames, H, W))."""
+    decoder = StreamingDecoder(adapter)
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for block in generate_blocks(model, noise, prompt_embeds, steps, layout, sampler=sampler,
+                                         generator=generator, context_noise=context_noise):
+                yield block, decoder(block.x0)
+    finally:
+        decoder.close()

@@ -45,7 +45,7 @@ from simpletuner.training.distill_losses import (BlockFeatures, GanHead, dmd_gra
                                                  finite_difference_penalty, gan_critic_loss, gan_generator_loss,
                                                  ode_regression_loss, sid_loss)
 from simpletuner.training.distill_pairs import PairSpec, fill_pairs, pair_identity, pair_specs
-from simpletuner.training.distill_sampling import (Denoiser, Rollout, critic_timesteps, renoise, rollout,
+from simpletuner.training.distill_sampling import (CausalDenoiser, Denoiser, Rollout, critic_timesteps, renoise,
                                                    unshifted_timestep)
 from simpletuner.training.distill_validation import StudentValidation
 from simpletuner.training.guards import NanLossGuard, require_finite
@@ -240,6 +240,22 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def causal_student(config, adapter, model, shape, autocast) -> CausalDenoiser:
+    """Self-Forcing's student: the Wan run block-causally (``simpletuner.models.causal_wan``)."""
+    from simpletuner.models.causal_wan import CausalLayout
+
+    d = config.distillation
+    layout = CausalLayout(d.num_frame_per_block, d.local_attn_size, d.independent_first_frame)
+    try:
+        layout.blocks(shape[1])
+    except ValueError as exc:
+        raise DistillationError(f"distillation.num_frame_per_block: {exc} (distillation.num_frames sets the video's "
+                                "length: 4k + 1 frames make k + 1 latent frames)") from None
+    if getattr(adapter, "is_i2v", False) or _unwrap(model).config.image_dim is not None:
+        raise DistillationError("distillation.causal: the causal student is a text-to-video Wan")
+    return CausalDenoiser(adapter, model, layout, context_noise=float(d.context_noise), autocast=autocast)
+
+
 def attach_gan_head(config, adapter, critic_model, denoiser: Denoiser, probe) -> tuple[GanHead, BlockFeatures]:
     """The classifier on the critic's middle block (its feature width read by one probe forward)."""
     layout = adapter.tread_layout(_unwrap(critic_model))
@@ -331,7 +347,8 @@ def distill(config, backends, *, reporter: WebhookReporter | None = None) -> Tra
     sched_g = _schedule(config, opt_g, generator_steps, accelerator.num_processes)
     student, opt_g, sched_g = accelerator.prepare(student, opt_g, sched_g)
     student_params = [p for p in student.parameters() if p.requires_grad]
-    student_x0 = Denoiser(adapter, student, accelerator.autocast)
+    student_x0 = causal_student(config, adapter, student, shape, accelerator.autocast) if d.causal \
+        else Denoiser(adapter, student, accelerator.autocast)
     fake = opt_c = sched_c = None
     critic_params: list = []
     if critic is not None:
@@ -511,11 +528,24 @@ class DistillSteps:
         return torch.randn((self.batch, *self.shape) if shape is None else shape,
                            generator=self.generator).to(self.device)
 
+    def exit_index(self) -> int | list[int]:
+        """Where the rollout stops (autograd there only): a random step; for a causal student the same one for every
+        block (``same_step_across_blocks``), one per block, or the last (``last_step_only``)."""
+        count = len(self.steps)
+        if not self.d.causal:
+            return int(torch.randint(count, (1,), generator=self.generator))
+        blocks = len(self.student.layout.blocks(self.shape[1]))
+        if self.d.last_step_only:
+            return [count - 1] * blocks
+        if self.d.same_step_across_blocks:
+            return [int(torch.randint(count, (1,), generator=self.generator))] * blocks
+        return torch.randint(count, (blocks,), generator=self.generator).tolist()
+
     def student_sample(self, text) -> Rollout:
         """A rollout from fresh noise that stops at a random step (its x0 keeps autograd if the caller does)."""
-        exit_index = int(torch.randint(len(self.steps), (1,), generator=self.generator))
-        return rollout(lambda x, t: self.student(x, t, text), self.noise(), self.steps, self.objective,
-                       sampler=self.d.student_sampler, generator=self.generator, exit_index=exit_index)
+        exit_index = self.exit_index()
+        return self.student.rollout(self.noise(), self.steps, text, sampler=self.d.student_sampler,
+                                    generator=self.generator, exit_index=exit_index)
 
     def score_timesteps(self, sample) -> torch.Tensor:
         """Timesteps for the score networks, bounded by the rollout's step with ``ts_schedule`` (``_max``)."""
@@ -565,9 +595,20 @@ class DistillSteps:
     def ode_regression(self) -> tuple[torch.Tensor, dict[str, float]]:
         """A random point of each drawn trajectory (never its clean end) -> the student's x0 vs the end."""
         prompts, trajectories = self.draw_pairs()
-        index = torch.randint(len(self.steps), (self.batch,), generator=self.generator)
-        x_t = trajectories[torch.arange(self.batch), index.to(self.device)]
-        t = torch.tensor([self.steps[i] for i in index.tolist()], dtype=torch.float64, device=self.device)
+        steps = torch.tensor(self.steps, dtype=torch.float64)
+        if not self.d.causal:
+            index = torch.randint(len(self.steps), (self.batch,), generator=self.generator)
+            x_t = trajectories[torch.arange(self.batch), index.to(self.device)]
+            t = steps[index].to(self.device)
+        else:  # a point per frame block (CausVid / Self-Forcing): blocks at different noise levels
+            blocks = self.student.layout.blocks(self.shape[1])
+            per_block = torch.randint(len(self.steps), (self.batch, len(blocks)), generator=self.generator)
+            index = torch.cat([per_block[:, b:b + 1].expand(-1, end - start) for b, (start, end) in enumerate(blocks)],
+                              dim=1).to(self.device)  # (B, F)
+            gather = index[:, None, None, :, None, None].expand(-1, 1, trajectories.shape[2], -1,
+                                                                *trajectories.shape[-2:])
+            x_t = trajectories.gather(1, gather).squeeze(1)
+            t = steps.to(self.device)[index]
         pred = self.student(x_t, t, self.texts.batch(prompts))
         return ode_regression_loss(pred, trajectories[:, -1]), {}
 
@@ -661,8 +702,14 @@ def export_student(config, adapter, model, folder: Path, steps: list[float]) -> 
     folder.mkdir(parents=True, exist_ok=True)
     path = export_weights(config, adapter, model, folder)
     d = config.distillation
-    info = {"model_family": config.model_family, "model_flavour": config.model_flavour, "objective": d.objective,
+    info = {"model_family": config.model_family, "model_flavour": config.model_flavour,
+            "pretrained_model_name_or_path": config.pretrained_model_name_or_path, "objective": d.objective,
             "timesteps": steps, "sampler": d.student_sampler, "num_inference_steps": len(steps)}
+    if d.causal:  # what `simpletuner stream-video` needs to run it block by block
+        info["causal"] = {"num_frame_per_block": d.num_frame_per_block, "local_attn_size": d.local_attn_size,
+                          "independent_first_frame": d.independent_first_frame, "context_noise": d.context_noise}
+        width, height, frames = sample_size(config, adapter)
+        info.update(num_frames=frames, width=width, height=height)
     if adapter.objective.name == "flow_matching":
         from diffusers import FlowMatchEulerDiscreteScheduler
 

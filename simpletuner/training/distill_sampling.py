@@ -25,6 +25,17 @@ from simpletuner.training.distill_losses import guided
 MIN_STEP, MAX_STEP = 20, 980
 
 
+@dataclass
+class Rollout:
+    """A student sample, and the step it came from: it denoised ``t_from`` at step ``exit_index`` (with autograd)
+    and would have gone on to ``t_to`` (0 at the last step)."""
+
+    sample: torch.Tensor
+    t_from: float
+    t_to: float
+    exit_index: int
+
+
 class Denoiser:
     """One network's x0 predictions: ``denoiser(x_t, t, text)`` with ``t`` (B,) on the 0..1000 scale, through the
     family's adapter and the run's objective, in float32. ``guided`` adds classifier-free guidance."""
@@ -47,6 +58,47 @@ class Denoiser:
             return cond
         return guided(cond, self(x_t, t, uncond), scale)
 
+    def rollout(self, noise: torch.Tensor, steps: Sequence[float], text: dict[str, torch.Tensor], *, sampler: str,
+                generator: torch.Generator | None = None, exit_index: int | list[int] | None = None) -> Rollout:
+        """This network sampling from ``noise`` in ``steps`` (see ``rollout``)."""
+        return rollout(lambda x, t: self(x, t, text), noise, steps, self.objective, sampler=sampler,
+                       generator=generator, exit_index=exit_index)
+
+
+class CausalDenoiser(Denoiser):
+    """The causal (Self-Forcing) Wan student: x0 of a whole video under the block-causal mask at per-frame
+    timesteps (B, F) (or one per sample, (B,)), and its rollout block by block with the KV cache, stopping each
+    block at its own exit step (``exit_index``: one for every block, or a list with one per block)."""
+
+    def __init__(self, adapter, model, layout, *, context_noise: float = 0.0, autocast: Callable = contextlib.nullcontext):
+        super().__init__(adapter, model, autocast)
+        self.layout = layout
+        self.context_noise = context_noise
+
+    def __call__(self, x_t, t, text):
+        from simpletuner.models.causal_wan import causal_forward
+
+        t = t if t.ndim == 2 else t[:, None].expand(-1, x_t.shape[2])
+        with self.autocast():
+            velocity = causal_forward(self.model, x_t, t, text["prompt_embeds"], self.layout)
+        return x_t.float() - (t.float() / NUM_TRAIN_TIMESTEPS).to(x_t.device)[:, None, :, None, None] * velocity.float()
+
+    def rollout(self, noise, steps, text, *, sampler, generator=None, exit_index=None) -> Rollout:
+        from simpletuner.models.causal_wan import generate_blocks
+
+        count = len(self.layout.blocks(noise.shape[2]))
+        exits = [len(steps) - 1] * count if exit_index is None else (
+            list(exit_index) if isinstance(exit_index, (list, tuple)) else [exit_index] * count)
+        with self.autocast():
+            blocks = list(generate_blocks(self.model, noise, text["prompt_embeds"], list(steps), self.layout,
+                                          sampler=sampler, generator=generator, exit_indices=exits,
+                                          context_noise=self.context_noise))
+        sample = torch.cat([b.x0 for b in blocks], dim=2)
+        if len(set(exits)) > 1:  # blocks stopped at different steps: no one step to bound the critic's timesteps
+            return Rollout(sample, float(NUM_TRAIN_TIMESTEPS), 0.0, exits[0])
+        i = exits[0]
+        return Rollout(sample, float(steps[i]), float(steps[i + 1]) if i + 1 < len(steps) else 0.0, i)
+
 
 def timesteps(value: float, batch: int, device=None) -> torch.Tensor:
     return torch.full((batch,), float(value), dtype=torch.float64, device=device)
@@ -62,17 +114,6 @@ def step_subset(steps: Sequence[float], n: int) -> list[float]:
     if not 1 <= n <= len(steps):
         raise ValueError(f"{n} steps: the student has {len(steps)}")
     return [steps[round(i * len(steps) / n)] for i in range(n)]
-
-
-@dataclass
-class Rollout:
-    """A student sample, and the step it came from: it denoised ``t_from`` at step ``exit_index`` (with autograd)
-    and would have gone on to ``t_to`` (0 at the last step)."""
-
-    sample: torch.Tensor
-    t_from: float
-    t_to: float
-    exit_index: int
 
 
 def rollout(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 
 from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
 from simpletuner.evaluation.validation import preserve_rng_state, step_folder, to_pil
-from simpletuner.training.distill_sampling import ode_solve, rollout, step_subset, teacher_schedule
+from simpletuner.training.distill_sampling import ode_solve, step_subset, teacher_schedule
 
 log = logging.getLogger("simpletuner.distill")
 
@@ -112,10 +112,9 @@ class StudentValidation:
         return metrics
 
     def student_sample(self, student, prompt: str, noise: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        cond = self.text(prompt)
         generator = torch.Generator().manual_seed(self.seed + 10_000 + index)  # the consistency sampler's noise
-        return rollout(lambda x, t: student(x, t, cond), noise, step_subset(self.steps, n), self.adapter.objective,
-                       sampler=self.d.student_sampler, generator=generator).sample
+        return student.rollout(noise, step_subset(self.steps, n), self.text(prompt), sampler=self.d.student_sampler,
+                               generator=generator).sample
 
     def _scores(self, student) -> dict[str, float]:
         out = {}

@@ -60,6 +60,9 @@ def test_a_json_string_from_the_command_line():
     ({"prompts": ["ok", "  "]}, "distillation.prompts[1]", "is empty"),
     ({"student_sampler": "euler"}, "distillation.student_sampler", "'euler' is not one of consistency, ode"),
     ({"critic_lr": 1e-5}, "distillation.critic_lr", "unknown key"),
+    ({"num_frame_per_block": 2}, "distillation.num_frame_per_block", "applies to a causal student"),
+    ({"causal": True}, "distillation.causal", "the causal (Self-Forcing) student is a Wan"),
+    ({"context_noise": 1200}, "distillation.context_noise", "must be <= 1000"),
 ])
 def test_errors_name_the_field(block, path, message):
     errors = errors_of({"prompts": ["x"], **block})
@@ -74,6 +77,16 @@ def test_fine_tuning_settings_it_does_not_read_are_refused():
     errors = errors_of({"prompts": ["x"]}, max_train_steps=None, num_train_epochs=3, gradient_accumulation_steps=2)
     assert "set max_train_steps" in errors["max_train_steps"]
     assert "raise train_batch_size" in errors["gradient_accumulation_steps"]
+
+
+def test_a_causal_wan_student():
+    config = load_train_config({"model_family": "wan", "model_flavour": "tiny", "max_train_steps": 1,
+                                "distillation": {"prompts": ["x"], "causal": True, "num_frame_per_block": 2,
+                                                 "local_attn_size": 4, "context_noise": 100}}).config
+    assert config.distillation.causal and config.distillation.num_frame_per_block == 2
+    with pytest.raises(ConfigError, match="distillation.local_attn_size: 1 frames is less than a block"):
+        load_train_config({"model_family": "wan", "model_flavour": "tiny", "max_train_steps": 1,
+                           "distillation": {"prompts": ["x"], "causal": True, "local_attn_size": 1}})
 
 
 def test_warped_step_list_follows_the_shifted_schedule():
