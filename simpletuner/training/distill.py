@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from simpletuner.training.state import RunState
 from simpletuner.training.trainer import (TrainingInterrupted, TrainResult, _last_logged_loss, _load_trainable,
                                           _StopFlag, _trainable_state, adapter_family, build_transformer,
                                           export_weights, preflight, weight_dtype_for)
+from simpletuner.training.trainer import run as run_recipe
 from simpletuner.training.webhooks import WebhookReporter
 
 log = logging.getLogger("simpletuner.distill")
@@ -749,21 +749,5 @@ def make_pairs(config, backends) -> tuple[int, int, str]:
 
 
 def run(config, backends) -> int:
-    """Distill and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
-    reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
-    try:
-        result = distill(config, backends, reporter=reporter)
-    except TrainingInterrupted as exc:
-        log.warning("%s", exc)
-        reporter.status("cancelled", reason=str(exc))
-        reporter.close()
-        return 143
-    except Exception as exc:
-        reporter.error(str(exc), traceback.format_exc())
-        reporter.status("failed", reason=str(exc))
-        reporter.close()
-        raise
-    reporter.status("succeeded", final_loss=result.final_loss, lora_path=result.lora_path,
-                    model_path=result.model_path, output_dir=result.output_dir, steps=result.global_step)
-    reporter.close()
-    return 0
+    """Distill and report the outcome to the webhooks, as fine-tuning's ``run`` does; returns a process exit code."""
+    return run_recipe(config, backends, recipe=distill)

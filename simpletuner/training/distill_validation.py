@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from simpletuner.evaluation.prompts import ValidationPrompt, validation_prompts
-from simpletuner.evaluation.validation import preserve_rng_state, step_folder, to_pil
+from simpletuner.evaluation.validation import preserve_rng_state, step_folder, to_pil, write_frames
 from simpletuner.training.distill_sampling import ode_solve, step_subset, teacher_schedule
 
 log = logging.getLogger("simpletuner.distill")
@@ -135,14 +135,7 @@ class StudentValidation:
             pixels = self.adapter.decode_latents(latents.to(self.adapter.device)).float().cpu()[0]
             frames = [to_pil(f) for f in pixels.unbind(1)] if pixels.ndim == 4 else [to_pil(pixels)]
             height, width = frames[0].height, frames[0].width
-            path = folder / f"{item.nickname}_{width}x{height}.png"
-            frames[0].save(path)
-            video_path = None
-            if self.adapter.is_video:
-                from simpletuner.evaluation.video import write_mp4
-
-                video_path = path.with_suffix(".mp4")
-                write_mp4(video_path, frames, self.adapter.validation_fps())
+            path, video_path = write_frames(folder, f"{item.nickname}_{width}x{height}", frames, self.adapter)
             images[f"validation/{item.nickname}_{width}x{height}"] = frames[0]
             self.reporter.image("validation", step, path, prompt=item.prompt, nickname=item.nickname,
                                 resolution=(width, height), video_path=video_path)

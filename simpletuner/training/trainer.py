@@ -637,11 +637,12 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
     return save
 
 
-def run(config, backends) -> int:
-    """Train and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
+def run(config, backends, recipe=None) -> int:
+    """Train (with ``recipe``, default fine-tuning's ``train``; the distillation recipe passes its own) and report
+    the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
     reporter = WebhookReporter.from_env(getattr(config, "webhook_config", None))
     try:
-        result = train(config, backends, reporter=reporter)
+        result = (recipe or train)(config, backends, reporter=reporter)
     except TrainingInterrupted as exc:
         log.warning("%s", exc)
         reporter.status("cancelled", reason=str(exc))
