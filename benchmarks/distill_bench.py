@@ -36,7 +36,9 @@ def parse_args():
     p.add_argument("--objectives", default="ode_regression,dmd", help="comma-separated (default: %(default)s)")
     p.add_argument("--work-dir", default="output/distill_bench", help="default: %(default)s")
     p.add_argument("--teacher-steps", type=int, default=600, help="fine-tuning steps of the tiny teacher")
-    p.add_argument("--distill-steps", type=int, default=300, help="distillation steps per objective")
+    p.add_argument("--distill-steps", type=int, default=300, help="ode_regression steps")
+    p.add_argument("--dmd-steps", type=int, default=150, help="steps of the other objectives (each costs a rollout, "
+                                                              "the teacher and the critic)")
     p.add_argument("--pairs-per-prompt", type=int, default=6, help="teacher trajectories per caption (ode_regression)")
     p.add_argument("--eval-noises", type=int, default=4, help="fresh noises per caption for the comparison")
     p.add_argument("--reference-steps", type=int, default=50, help="the teacher's reference sample steps")
@@ -93,9 +95,10 @@ def distill_student(args, work: Path, teacher: Path, objective: str) -> Path:
                             ode_pairs_per_prompt=args.pairs_per_prompt)
     else:
         distillation.update(generator_update_ratio=5, generator_learning_rate=1e-4, critic_learning_rate=1e-4)
-    config = base_config(work, args.resolution, output_dir=str(out), max_train_steps=args.distill_steps,
-                         pretrained_transformer_model_name_or_path=str(teacher),
-                         pretrained_transformer_subfolder="none", distillation=distillation, adam_beta1=0.0)
+    steps = args.distill_steps if objective == "ode_regression" else args.dmd_steps
+    config = base_config(work, args.resolution, output_dir=str(out), max_train_steps=steps, train_batch_size=8,
+                         pretrained_transformer_model_name_or_path=str(teacher.parent),  # <run>/transformer
+                         distillation=distillation, adam_beta1=0.0)
     backends = load_data_backends([{"id": "text", "dataset_type": "text_embeds",
                                     "cache_dir": str(work / "cache/text")}], config=config)
     started = time.time()
@@ -115,7 +118,7 @@ def distances(args, work: Path, teacher: Path, students: dict[str, Path]) -> dic
     from simpletuner.data.cache import TensorCache, text_key
     from simpletuner.models.flux import FluxAdapter
     from simpletuner.training.distill import latent_shape
-    from simpletuner.training.distill_sampling import Denoiser, ode_solve, rollout, step_subset, teacher_schedule
+    from simpletuner.training.distill_sampling import Denoiser, ode_solve, step_subset, teacher_schedule
     from simpletuner.training.distill_validation import step_counts
 
     config = base_config(work, args.resolution, max_train_steps=1, distillation={"prompts": ["x"]})
@@ -130,21 +133,22 @@ def distances(args, work: Path, teacher: Path, students: dict[str, Path]) -> dic
     samplers = {name: json.loads((folder.parent / "distillation.json").read_text())["sampler"]
                 for name, folder in students.items()}
     schedule = teacher_schedule(args.reference_steps, config.distillation.timestep_shift, [])
+    # every caption with each of its fresh noises, as one batch
+    items = [(c, caption, i) for c, caption in enumerate(captions()) for i in range(args.eval_noises)]
+    text = {k: torch.stack([cache.load(text_key(caption, identity))[k] for _, caption, _ in items])
+            for k in cache.load(text_key(items[0][1], identity))}
+    noise = torch.cat([torch.randn((1, *shape), generator=torch.Generator().manual_seed(10_000 + 100 * c + i))
+                       for c, _, i in items])
+    reference, _ = ode_solve(lambda x, t: networks["teacher"](x, t, text), noise, schedule, adapter.objective)
     sums: dict[tuple[str, int], float] = {}
-    count = 0
-    for c, caption in enumerate(captions()):
-        text = {k: v.unsqueeze(0) for k, v in cache.load(text_key(caption, identity)).items()}
-        for i in range(args.eval_noises):
-            noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(10_000 + 100 * c + i))
-            reference, _ = ode_solve(lambda x, t: networks["teacher"](x, t, text), noise, schedule, adapter.objective)
-            count += 1
-            for n in step_counts(len(steps)):
-                subset = step_subset(steps, n)
-                for name, net in networks.items():
-                    sampler = samplers.get(name, "ode")  # the teacher in N steps: its Euler ODE sampler
-                    sample = rollout(lambda x, t: net(x, t, text), noise, subset, adapter.objective, sampler=sampler,
-                                     generator=torch.Generator().manual_seed(20_000 + 100 * c + i)).sample
-                    sums[(name, n)] = sums.get((name, n), 0.0) + (sample - reference).pow(2).mean().item()
+    for n in step_counts(len(steps)):
+        subset = step_subset(steps, n)
+        for name, net in networks.items():
+            sampler = samplers.get(name, "ode")  # the teacher in N steps: its Euler ODE sampler
+            sample = net.rollout(noise, subset, text, sampler=sampler,
+                                 generator=torch.Generator().manual_seed(20_000)).sample
+            sums[(name, n)] = (sample - reference).pow(2).flatten(1).mean(1).sum().item()
+    count = len(items)
     return {key: value / count for key, value in sums.items()}, count
 
 
@@ -160,7 +164,7 @@ def main() -> int:
     counts = sorted({n for _, n in result})
     print(f"\nmean squared latent distance to the teacher's {args.reference_steps}-step sample, {count} fresh noises "
           f"({args.eval_noises} per caption), tiny Flux fine-tuned {args.teacher_steps} steps, "
-          f"{args.distill_steps} distillation steps:\n")
+          f"{args.distill_steps} ode_regression / {args.dmd_steps} other distillation steps:\n")
     print("| objective | N steps | before (teacher, N Euler steps) | after (student) | after / before |")
     print("|---|---|---|---|---|")
     for objective in objectives:

@@ -148,6 +148,9 @@ class Texts:
     def one(self, prompt: str | None) -> dict[str, torch.Tensor]:
         return self.negative(1) if prompt is None else self.batch([prompt])
 
+    def many(self, prompts: list[str] | None) -> dict[str, torch.Tensor]:
+        return self.negative(1) if prompts is None else self.batch(prompts)
+
 
 def prepare_texts(config, backends, adapter, accelerator, prompts: list[str], extra: list[str]) -> Texts:
     """Encode every prompt (and the negative prompt when guidance uses it) not yet cached, main process first."""
@@ -180,7 +183,7 @@ def prepare_pairs(config, adapter, accelerator, teacher, texts: Texts, prompts: 
     cache = TensorCache(d.pairs_cache_dir)
     paths.guard_open("distillation.pairs_cache_dir", cache.folder)
     specs = pair_specs(prompts, d.ode_pairs_per_prompt, pair_identity(config, adapter, shape, steps))
-    made = fill_pairs(config, adapter, teacher, specs, cache, texts.one, latent_shape=shape, student_steps=steps,
+    made = fill_pairs(config, adapter, teacher, specs, cache, texts.many, latent_shape=shape, student_steps=steps,
                       rank=accelerator.process_index, world_size=accelerator.num_processes,
                       autocast=accelerator.autocast, show_progress=accelerator.is_local_main_process)
     accelerator.wait_for_everyone()

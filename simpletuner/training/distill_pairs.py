@@ -9,9 +9,10 @@ then the sample (timestep 0).
 
 The cache is keyed by identity, never by position: a pair's key hashes (prompt, its index, the seed, the teacher's
 weights and objective, the text encoders, the schedule, guidance, negative prompt, latent shape), and its noise is
-drawn from a generator seeded by the same (seed, prompt, index), so a pair is the same whichever process makes it and
-whenever. A stopped run resumes where it was (stored pairs are skipped; a damaged one is reported by name and made
-again); ranks split the missing pairs between them (``--num_processes N``).
+drawn from a generator seeded by the same (seed, prompt, index), so a pair is the same whichever process makes it,
+whenever, and in whichever batch (``train_batch_size`` trajectories are sampled at once). A stopped run resumes
+where it was (stored pairs are skipped; a damaged one is reported by name and made again); ranks split the pairs
+between them by position (``--num_processes N``).
 """
 
 from __future__ import annotations
@@ -74,23 +75,31 @@ def fill_pairs(config, adapter, teacher, specs: list[PairSpec], cache: TensorCac
                latent_shape: tuple[int, ...], student_steps: list[float], rank: int = 0, world_size: int = 1,
                autocast=None, show_progress: bool = True) -> int:
     """Make the missing trajectories of this rank's share (``specs[rank::world_size]``: shares never depend on what
-    another rank has stored already); returns how many it made. ``text(prompt)`` and ``text(None)`` give a prompt's
-    and the negative prompt's batched embeddings."""
+    another rank has stored already), ``train_batch_size`` at a time; returns how many it made. ``text(prompts)``
+    gives the prompts' batched embeddings and ``text(None)`` the negative prompt's (batch of one)."""
     d = config.distillation
     schedule = teacher_schedule(d.teacher_num_inference_steps, d.timestep_shift, student_steps)
     todo = [s for s in specs[rank::world_size] if not cache.has(s.key)]
     if not todo:
         return 0
     denoiser = Denoiser(adapter, teacher, **({"autocast": autocast} if autocast else {}))
-    uncond = text(None) if d.real_guidance_scale != 1.0 else None
+    negative = text(None) if d.real_guidance_scale != 1.0 else None
     device = adapter.device
     record = [float(t) for t in student_steps]
     stamps = torch.tensor([*record, 0.0], dtype=torch.float64)
-    for spec in tqdm(todo, desc="Teacher trajectories", disable=not show_progress):
-        noise = pair_noise(config.seed or 0, spec.prompt, spec.index, latent_shape).to(device)
-        cond = text(spec.prompt)
+    batch = max(1, int(config.train_batch_size))
+    bar = tqdm(total=len(todo), desc="Teacher trajectories", disable=not show_progress)
+    for start in range(0, len(todo), batch):
+        chunk = todo[start:start + batch]
+        # each pair's own noise: a batch is the same pairs as one at a time
+        noise = torch.cat([pair_noise(config.seed or 0, s.prompt, s.index, latent_shape) for s in chunk]).to(device)
+        cond = text([s.prompt for s in chunk])
+        uncond = {k: v.expand(len(chunk), *v.shape[1:]) for k, v in negative.items()} if negative else None
         sample, points = ode_solve(lambda x, t: denoiser.guided(x, t, cond, uncond, d.real_guidance_scale), noise,
                                    schedule, adapter.objective, record)
-        trajectory = torch.cat([*points, sample]).float().cpu()
-        cache.save(spec.key, {"trajectory": trajectory.contiguous(), "timesteps": stamps})
+        trajectories = torch.stack([*points, sample], dim=1).float().cpu()
+        for spec, trajectory in zip(chunk, trajectories):
+            cache.save(spec.key, {"trajectory": trajectory.contiguous(), "timesteps": stamps})
+        bar.update(len(chunk))
+    bar.close()
     return len(todo)

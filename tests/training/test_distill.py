@@ -66,7 +66,8 @@ def test_a_resumed_run_is_bit_identical_in_every_network_optimizer_ema_and_rng(t
     2 steps + resume to 3 end in the same checkpoint, tensor for tensor, and log the same losses."""
     from simpletuner.training.distill import distill
 
-    common = dict(distillation={"generator_update_ratio": 2}, model_type="full", use_ema=True, ema_decay=0.9)
+    common = dict(distillation={"generator_update_ratio": 2, "generator_learning_rate": 2e-3,
+                                "critic_learning_rate": 5e-4}, model_type="full", use_ema=True, ema_decay=0.9)
     config, backends = setup(tmp_path / "straight", caches, "dmd+gan", **common)
     straight = distill(config, backends)
     config, backends = setup(tmp_path / "split", caches, "dmd+gan", **{**common, "max_train_steps": 2})
@@ -83,6 +84,10 @@ def test_a_resumed_run_is_bit_identical_in_every_network_optimizer_ema_and_rng(t
         assert any(k.startswith(part) for k in a), part
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different[:5]
+    folder = Path(straight.output_dir) / "checkpoint-3"
+    lrs = {name: {g["lr"] for g in torch.load(folder / name, weights_only=True)["param_groups"]}
+           for name in ("optimizer.pt", "critic_optimizer.pt")}
+    assert lrs == {"optimizer.pt": {2e-3}, "critic_optimizer.pt": {5e-4}}  # one optimizer per network, its own lr
 
     def logged(run):
         lines = (Path(run.output_dir) / "training_log.jsonl").read_text().splitlines()
@@ -155,6 +160,31 @@ def test_the_exported_scheduler_steps_as_the_student_samples(tmp_path, caches):
                       latents=adapter.pipeline_latents(noise), sigmas=info["sigmas"],
                       num_inference_steps=len(steps), height=32, width=32, output_type="latent").images
     torch.testing.assert_close(theirs, adapter.pipeline_latents(ours), rtol=1e-4, atol=1e-4)
+
+
+def test_ts_schedule_bounds_the_score_timesteps_by_the_rollout(tmp_path, caches):
+    """Timesteps of the score networks: anywhere in 20..980 by default; not below the rollout's next step with
+    ts_schedule; not above the step it denoised from with ts_schedule_max (both on the unshifted schedule)."""
+    from simpletuner.config.distill import shifted_timestep
+    from simpletuner.training.distill import DistillSteps
+    from simpletuner.training.distill_sampling import Rollout
+
+    rollout = Rollout(torch.zeros(1), t_from=750.0, t_to=500.0, exit_index=1)
+
+    def drawn(**distillation):
+        config, _ = setup(tmp_path, caches, "dmd", train_batch_size=4096,
+                          distillation={"timestep_shift": 3.0, **distillation})
+        steps = DistillSteps(config, None, None, None, None, None, None, None, None, [], (1,), [],
+                             torch.Generator().manual_seed(0), "cpu")
+        return steps.score_timesteps(rollout)
+
+    free = drawn()
+    assert free.min() < 100 and free.max() > 900
+    low = drawn(ts_schedule=True)
+    # the next step, 500 on the shifted schedule (250 unshifted), and up
+    assert low.min() >= shifted_timestep(250.0, 3.0) - 1e-6 == 500.0 - 1e-6 and low.max() > 900
+    both = drawn(ts_schedule=True, ts_schedule_max=True)
+    assert both.min() >= 500.0 and both.max() < 750.0
 
 
 def test_what_the_model_cannot_do_is_refused_by_field(tmp_path, caches):

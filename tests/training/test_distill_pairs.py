@@ -15,11 +15,12 @@ STEPS = [1000.0, 750.0, 500.0, 250.0]
 SHAPE = (4, 4, 4)  # the tiny Flux's latents at 32x32
 
 
-def config_with(**distillation):
+def config_with(train_batch_size: int = 1, **distillation):
     values = {"objective": "ode_regression", "prompts": ["a red circle", "a blue square"],
               "teacher_num_inference_steps": 3, "ode_pairs_per_prompt": 2, **distillation}
     return load_train_config({"model_family": "flux", "model_flavour": "tiny", "mixed_precision": "no", "seed": 0,
-                              "max_train_steps": 1, "data_backend_config": "x", "distillation": values}).config
+                              "max_train_steps": 1, "data_backend_config": "x", "train_batch_size": train_batch_size,
+                              "distillation": values}).config
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,10 @@ def teacher():
     adapter = FluxAdapter(config_with())
     model = adapter.load_transformer().eval()
     embeddings = {p: adapter.encode_prompts([p])[0].tensors for p in ["a red circle", "a blue square"]}
-    return adapter, model, lambda prompt: {k: v.unsqueeze(0) for k, v in embeddings[prompt].items()}
+    def text(prompts):
+        return {k: torch.stack([embeddings[p][k] for p in prompts]) for k in embeddings[prompts[0]]}
+
+    return adapter, model, text
 
 
 def test_keys_follow_identity_not_position(teacher):
@@ -72,7 +76,14 @@ def test_ranks_split_the_work_resume_and_remake_a_damaged_pair(teacher, tmp_path
     noise = pair_noise(0, specs[2].prompt, specs[2].index, SHAPE)
     torch.testing.assert_close(trajectory[0], noise[0])  # x at t = 1000 is the pair's own noise
     schedule = teacher_schedule(3, 1.0, STEPS)
-    sample, points = ode_solve(lambda x, t: Denoiser(adapter, model)(x, t, text(specs[2].prompt)), noise,
+    sample, points = ode_solve(lambda x, t: Denoiser(adapter, model)(x, t, text([specs[2].prompt])), noise,
                                schedule, adapter.objective, STEPS)
     torch.testing.assert_close(trajectory[-1], sample[0])
     torch.testing.assert_close(trajectory[2], points[2][0])  # the ODE's point at t = 500
+
+    # four at once (train_batch_size 4) are the same trajectories as one at a time
+    batched = TensorCache(tmp_path / "batched")
+    assert fill_pairs(config_with(train_batch_size=4), adapter, model, specs, batched, text, **kwargs) == 4
+    for spec in specs:
+        torch.testing.assert_close(batched.load(spec.key)["trajectory"], cache.load(spec.key)["trajectory"],
+                                   rtol=1e-5, atol=1e-5)
