@@ -433,6 +433,8 @@ def distill(config, backends, *, reporter: WebhookReporter | None = None) -> Tra
                 if accelerator.is_main_process:
                     record = {"step": step, "loss": step_loss, "lr": lr, "generator_loss": out.generator,
                               "critic_loss": out.critic, **out.extras}
+                    if sched_c is not None:
+                        record["critic_lr"] = sched_c.get_last_lr()[0]
                     with loss_log.open("a") as fh:
                         fh.write(json.dumps(record) + "\n")
                     reporter.progress(step, max_steps, step_loss, lr, it_s,
