@@ -15,6 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("simpletuner.training.cli", "train a model from config.json + multidatabackend.json"),
     "cache": ("simpletuner.training.cache_cli", "split training, stage 1: encode the data and prompts once and "
                                                 "write the cache manifest that train_from_cache trains from"),
+    "distill-pairs": ("simpletuner.training.distill_cli",
+                      "make the teacher's ODE trajectories of a distillation config (ode_regression, gan)"),
+    "stream-video": ("simpletuner.training.stream_cli",
+                     "stream a video block by block from a causal (Self-Forcing) Wan student"),
     "validate": ("simpletuner.config.cli", "check a config (and its data backends) without training"),
     "server": ("simpletuner.server.cli", "run the training server and web UI (default http://127.0.0.1:8001)"),
     "jobs": ("simpletuner.server.client", "submit, list, show, cancel and tail jobs on a server"),
@@ -27,7 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 # commands that take any config key as a flag, as SimpleTuner's command line does: `--lora_rank=4 --seed 42`
-CONFIG_FLAG_COMMANDS = ("train", "cache", "validate")
+CONFIG_FLAG_COMMANDS = ("train", "cache", "validate", "distill-pairs")
 
 
 class _LazyParser(argparse.ArgumentParser):

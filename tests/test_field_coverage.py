@@ -59,6 +59,7 @@ TRAIN_READERS: dict[str, tuple[str, str] | str] = {
     "evaluation_type": E, "pretrained_evaluation_model_name_or_path": "simpletuner/evaluation/clip_score.py",
     "eval_steps_interval": E, "report_to": TRACK, "tracker_project_name": TRACK, "tracker_run_name": TRACK,
     "logging_dir": TRACK, "webhook_config": T, "train_from_cache": T,
+    "distillation": "simpletuner/training/distill.py",
     "cache_manifest": "simpletuner/training/split.py",
     "fsdp_enable": SHARD, "fsdp_version": SHARD, "fsdp_reshard_after_forward": SHARD, "fsdp_state_dict_type": SHARD,
     "fsdp_transformer_layer_cls_to_wrap": SHARD, "deepspeed_config": SHARD,
@@ -221,6 +222,7 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "fsdp_version", "fsdp_reshard_after_forward", "fsdp_state_dict_type",
                 "fsdp_transformer_layer_cls_to_wrap",
                 "cache_manifest",  # split training (tests/e2e/test_split_e2e.py)
+                "distillation",  # the distillation recipe (tests/training/test_distill.py)
                 # fp32 run (read under mixed precision), the tiny flavour's own weights, datasets with their own size
                 "base_model_default_dtype", "pretrained_model_name_or_path", "resolution", "resolution_type"}
     expected = set(TRAIN_READERS) - off_here

@@ -263,11 +263,13 @@ def parse_data_backends(
     resolution: float | None = None,
     resolution_type: str | None = None,
     source: str | None = None,
+    require_images: bool = True,
 ) -> DataBackends:
     """Validate the contents of a multidatabackend.json (a list of backend objects).
 
     Datasets without ``resolution``/``resolution_type`` take the given defaults (the config's ``resolution`` and
-    ``resolution_type``; 1024 / pixel_area when None). Raises ConfigError listing every problem.
+    ``resolution_type``; 1024 / pixel_area when None). Raises ConfigError listing every problem. A distillation run
+    (``require_images=False``) learns from prompts and needs only the text-embeds backend.
     """
     if isinstance(entries, Mapping):
         raise ConfigError([FieldError("datasets", "expected a JSON list of backends, got an object")], source)
@@ -339,7 +341,8 @@ def parse_data_backends(
             datasets.append(backend)
 
     errors.extend(_pairing_errors(datasets, disabled, warnings))
-    if not any(d.dataset_type in ("image", "video") for d in datasets) and not {"image", "video"} & failed_kinds:
+    if require_images and not any(d.dataset_type in ("image", "video") for d in datasets) \
+            and not {"image", "video"} & failed_kinds:
         errors.append(FieldError("datasets", "no enabled image dataset; add one with dataset_type 'image' "
                                              "(or 'video')"))
     chosen: TextEmbedsBackend | None = None
@@ -436,11 +439,13 @@ def load_data_backends(
     config: TrainConfig | None = None,
     resolution: float | None = None,
     resolution_type: str | None = None,
+    require_images: bool | None = None,
 ) -> DataBackends:
     """Load and validate multidatabackend.json (a path) or its contents (a list of backend objects).
 
     Dataset defaults come from ``config`` (its ``resolution`` and ``resolution_type``) unless given explicitly;
-    see :func:`parse_data_backends`. Errors from a file are attributed to it.
+    see :func:`parse_data_backends`. Errors from a file are attributed to it. An image or video dataset is required
+    unless ``config`` distills (``require_images`` says so explicitly where there is no config).
     """
     from .loader import read_json
 
@@ -449,7 +454,10 @@ def load_data_backends(
         resolution_type = config.resolution_type if resolution_type is None else resolution_type
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     entries = read_json(source) if name is not None else source
-    backends = parse_data_backends(entries, resolution=resolution, resolution_type=resolution_type, source=name)
+    if require_images is None:
+        require_images = config is None or config.distillation is None
+    backends = parse_data_backends(entries, resolution=resolution, resolution_type=resolution_type, source=name,
+                                   require_images=require_images)
     if config is not None:
         errors = reference_errors(backends, config)
         if errors:

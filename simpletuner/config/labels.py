@@ -92,6 +92,7 @@ TRAIN_LABELS: dict[str, str] = {
     "fsdp_state_dict_type": "FSDP checkpoint layout",
     "fsdp_transformer_layer_cls_to_wrap": "FSDP: block classes to shard",
     "deepspeed_config": "DeepSpeed config (file or JSON)",
+    "distillation": "Distillation (few-step student)",
     "ema_validation": "Validation images with the EMA",
     "tread_config": "TREAD token routing",
     "validation_steps": "Validation images every n steps",

@@ -57,6 +57,29 @@ def path_fields(model: Any) -> dict[str, PathField]:
     return out
 
 
+def nested_path_fields(model: Any) -> dict[str, dict[str, PathField]]:
+    """Path fields of the nested blocks of a model class (``distillation.prompt_file``): block name -> the path
+    fields of the block's model, named ``<block>.<field>``."""
+    out = {}
+    for name, info in model.model_fields.items():
+        for inner in _annotation_classes(info.annotation):
+            fields = path_fields(inner)
+            if fields:
+                out[name] = {sub: PathField(f"{name}.{sub}", spec.kind, spec.base) for sub, spec in fields.items()}
+    return out
+
+
+def _annotation_classes(annotation: Any) -> list[type]:
+    """The model classes (anything with ``model_fields``) an annotation such as ``Optional[Block]`` holds."""
+    found, stack = [], [annotation]
+    while stack:
+        ann = stack.pop()
+        if isinstance(ann, type) and hasattr(ann, "model_fields"):
+            found.append(ann)
+        stack.extend(getattr(ann, "__args__", ()) or ())
+    return found
+
+
 def is_hub_id(value: str) -> bool:
     return bool(_HUB_ID.match(value)) and ".." not in value and "--" not in value
 
@@ -143,6 +166,11 @@ def config_paths(config: Any = None, backends: Any = None) -> Iterator[tuple[str
         if spec.name == "resume_from_checkpoint" and value == "latest":
             continue
         yield name, value, spec
+    for block, fields in (nested_path_fields(type(config)) if config is not None else {}).items():
+        inner = getattr(config, block)
+        if inner is not None:
+            for name, spec in fields.items():
+                yield spec.name, getattr(inner, name), spec
     if backends is not None:
         for entry in [*backends.datasets, backends.text_embeds]:
             for name, spec in path_fields(type(entry)).items():

@@ -20,6 +20,7 @@ from typing import Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .coerce import Int, Number, StrictModel, check_resolution, parse_resolution_list
+from .distill import DistillationConfig
 from . import paths
 from .errors import ConfigError, FieldError
 from .families import (
@@ -46,6 +47,7 @@ GROUPS: dict[str, str] = {
     "logging": "Logging",
     "data": "Data",
     "distributed": "Several GPUs (FSDP, DeepSpeed)",
+    "distillation": "Distillation",
 }
 # Upper bounds that no real run comes near; they turn typos such as max_train_steps=2**63 into clear errors.
 MAX_STEPS = 1_000_000_000
@@ -602,6 +604,13 @@ class TrainConfig(StrictModel):
         None, "tread", "TREAD token routing: {\"routes\": [{selection_ratio, start_layer_idx, end_layer_idx}]}"
     )
 
+    # distillation
+    distillation: Optional[DistillationConfig] = _field(
+        None, "distillation", "turn the model (the teacher) into a few-step student: {\"objective\": \"dmd\", "
+                              "\"prompts\": [...], \"denoising_step_list\": [1000, 750, 500, 250], ...}; empty = "
+                              "fine-tuning (see docs/distillation.md)"
+    )
+
     # validation / evaluation
     validation_steps: Optional[Int] = _field(
         None, "validation", "generate validation images every n steps", ge=1, le=MAX_STEPS
@@ -692,10 +701,10 @@ class TrainConfig(StrictModel):
             parse_resolution_list(value)  # raises ValueError with the bad item
         return value
 
-    @field_validator("tread_config", mode="before")
+    @field_validator("tread_config", "distillation", mode="before")
     @classmethod
     def _tread_json(cls, value: Any) -> Any:
-        # SimpleTuner's command line passes tread_config as a JSON string
+        # SimpleTuner's command line passes tread_config (and --distillation) as a JSON string
         if isinstance(value, str):
             try:
                 return json.loads(value)
@@ -927,6 +936,8 @@ class TrainConfig(StrictModel):
                 )
             )
         errors.extend(_sharding_errors(self))
+        if self.distillation is not None:
+            errors.extend(distillation_errors(self))
         if self.model_type == "lora" and self.lora_alpha is None:
             self.lora_alpha = float(self.lora_rank)
         if errors:
@@ -982,6 +993,35 @@ def _sharding_errors(config: TrainConfig) -> list[FieldError]:
                                                          "no_change"))
     if config.model_type == "lora" and config.lora_type == "lycoris":
         errors.append(FieldError("lora_type", f"'lycoris' cannot be combined with {mode} yet; use 'standard'"))
+    return errors
+
+
+def distillation_errors(config: TrainConfig) -> list[FieldError]:
+    """Fine-tuning settings the distillation recipe does not read, refused when they are turned on."""
+    refused = {
+        "tread_config": config.tread_config is not None,
+        "caption_dropout_probability": bool(config.caption_dropout_probability),
+        "eval_steps_interval": config.eval_steps_interval is not None,
+        "lora_type": config.model_type == "lora" and config.lora_type == "lycoris",
+    }
+    errors = [FieldError(name, "is not used by the distillation recipe; remove it (or the distillation block)")
+              for name, on in refused.items() if on]
+    if not config.max_train_steps:
+        errors.append(FieldError("max_train_steps", "a distillation learns from prompts, with no epochs over a "
+                                                    "dataset: set max_train_steps"))
+    if config.distillation.causal and config.model_family != "wan":
+        errors.append(FieldError("distillation.causal", f"the causal (Self-Forcing) student is a Wan; model_family is "
+                                                        f"{config.model_family!r}"))
+    if config.gradient_accumulation_steps != 1:
+        errors.append(FieldError("gradient_accumulation_steps", "the distillation recipe steps every network every "
+                                                                "step; raise train_batch_size instead"))
+    if config.fsdp_enable or config.deepspeed_config is not None:
+        errors.append(FieldError("fsdp_enable" if config.fsdp_enable else "deepspeed_config",
+                                 "the distillation recipe runs unsharded (its critic and GAN head are not sharded); "
+                                 "remove it (or the distillation block)"))
+    if config.train_from_cache:
+        errors.append(FieldError("train_from_cache", "the distillation recipe encodes its prompts itself; remove it "
+                                                     "(or the distillation block)"))
     return errors
 
 

@@ -126,6 +126,20 @@ def preview_strips(previews: list[PreviewImage]) -> dict[str, tuple[object, str]
     return strips
 
 
+def write_frames(folder: Path, name: str, frames: list, adapter) -> tuple[Path, Path | None]:
+    """A validation image ``<name>.png`` (a video's poster frame) and, for a video family, ``<name>.mp4`` at the
+    family's validation frame rate; returns (image path, video path or None)."""
+    path = folder / f"{name}.png"
+    frames[0].save(path)
+    if not adapter.is_video:
+        return path, None
+    from simpletuner.evaluation.video import write_mp4
+
+    video_path = path.with_suffix(".mp4")
+    write_mp4(video_path, frames, adapter.validation_fps())
+    return path, video_path
+
+
 def step_folder(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "validation" / f"step_{step}"
 
@@ -194,14 +208,8 @@ class ValidationRunner:
                             reference = {"reference_latents": reference}
                         text = {**text, **{k: v.unsqueeze(0).to(self.adapter.device) for k, v in reference.items()}}
                     frames = self._generate(pipeline, item, text, negative, width, height, step, folder)
-                    path = folder / f"{item.nickname}_{width}x{height}.png"
-                    frames[0].save(path)
-                    video_path = None
-                    if self.adapter.is_video:
-                        from simpletuner.evaluation.video import write_mp4
-
-                        video_path = path.with_suffix(".mp4")
-                        write_mp4(video_path, frames, self.adapter.validation_fps())
+                    path, video_path = write_frames(folder, f"{item.nickname}_{width}x{height}", frames,
+                                                    self.adapter)
                     result = ValidationImage(item.nickname, item.prompt, (width, height), path, frames[0],
                                              video_path, len(frames) if video_path else None, self.seed)
                     results.append(result)

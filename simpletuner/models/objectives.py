@@ -62,6 +62,19 @@ class Objective(ABC):
         """``t`` of a diffusers pipeline's denoising step ``index`` (after ``set_timesteps``), in this objective's
         units: what the trainer would pass for the same noise level."""
 
+    @abstractmethod
+    def x0_from_prediction(self, pred: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The clean latents a prediction implies for ``noisy`` at ``t`` (float32)."""
+
+    @abstractmethod
+    def noise_from_x0(self, x0: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The noise that takes ``x0`` to ``noisy`` at ``t`` (``t`` above the clean end; float32)."""
+
+    @abstractmethod
+    def from_train_timestep(self, t: torch.Tensor) -> torch.Tensor:
+        """Timesteps on the 0..1000 scale of distillation step lists (1000 pure noise, 0 clean) in this objective's
+        own units."""
+
     def covers(self, t: torch.Tensor) -> bool:
         """Whether this run trains at level ``t`` (a two-expert model's expert covers part of the schedule)."""
         return True
@@ -164,6 +177,16 @@ class FlowMatching(Objective):
     def level_name(self, t: float) -> str:
         return f"sigma_{t:g}"
 
+    def x0_from_prediction(self, pred, noisy, t):
+        return noisy.float() - _per_sample(t, noisy).float() * pred.float()
+
+    def noise_from_x0(self, x0, noisy, t):
+        s = _per_sample(t, noisy).float()
+        return (noisy.float() - (1 - s) * x0.float()) / s
+
+    def from_train_timestep(self, t):
+        return t.double() / 1000  # sigma; float64 so 1000 steps of a schedule stay exact
+
     def pipeline_timestep(self, scheduler, index: int) -> torch.Tensor:
         # what the pipeline tells its transformer: the step's timestep over num_train_timesteps, in float64 so an
         # adapter scaling it back by 1000 gets the pipeline's value exactly (DPM-Solver's flow schedule, used by
@@ -215,6 +238,23 @@ class DDPMObjective(Objective):
         if self.name == "epsilon":
             return noise
         return self.scheduler.get_velocity(latents, noise, t.to(latents.device).long())
+
+    def _alpha_bar(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return _per_sample(self.scheduler.alphas_cumprod.to(torch.float64)[t.long().cpu()], like).float()
+
+    def x0_from_prediction(self, pred, noisy, t):
+        ab = self._alpha_bar(t, noisy)
+        if self.name == "epsilon":
+            return (noisy.float() - (1 - ab).sqrt() * pred.float()) / ab.sqrt()
+        return ab.sqrt() * noisy.float() - (1 - ab).sqrt() * pred.float()
+
+    def noise_from_x0(self, x0, noisy, t):
+        ab = self._alpha_bar(t, noisy)
+        return (noisy.float() - ab.sqrt() * x0.float()) / (1 - ab).sqrt()
+
+    def from_train_timestep(self, t):
+        # 1000 is the last training timestep (999 of a 1000-step schedule), 0 the first
+        return (t.double() / 1000 * (self.num_train_timesteps - 1)).round().long()
 
     def eval_timesteps(self) -> torch.Tensor:
         last = self.num_train_timesteps - 1

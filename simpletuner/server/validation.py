@@ -71,10 +71,14 @@ def _backend_path_fields() -> dict[str, paths.PathField]:
     return {**paths.path_fields(DatasetBackend), **paths.path_fields(TextEmbedsBackend)}
 
 
-def _train_path_fields() -> dict[str, paths.PathField]:
+def _train_config_class():
     from simpletuner.config import TrainConfig
 
-    return paths.path_fields(TrainConfig)
+    return TrainConfig
+
+
+def _train_path_fields() -> dict[str, paths.PathField]:
+    return paths.path_fields(_train_config_class())
 
 
 def _check_value(field_path: str, value: Any, spec: paths.PathField, roots: list[Path], base: Path,
@@ -93,10 +97,15 @@ def check_paths(train_config: Mapping, data_backends: list, roots: list[Path], b
     named by its field path. Values are judged by what they resolve to, never by how they look."""
     out: list[FieldProblem] = []
     fields = _train_path_fields()
+    nested = paths.nested_path_fields(_train_config_class())
     for key, value in train_config.items():
         name = _canon(str(key))
         if name in fields:
             _check_value(f"train_config.{name}", value, fields[name], roots, base, output_base, out)
+        elif name in nested and isinstance(value, Mapping):  # a block's own paths (distillation.prompt_file)
+            for sub, spec in nested[name].items():
+                if sub in value:
+                    _check_value(f"train_config.{spec.name}", value[sub], spec, roots, base, output_base, out)
     fields = _backend_path_fields()
     for i, entry in enumerate(data_backends or []):
         if not isinstance(entry, Mapping):
@@ -186,6 +195,14 @@ def check_config(
         if name in values and not _check_value(f"train_config.{name}", values[name], spec, roots, base,
                                                output_base, problems):
             del values[name]  # refused: never read, not even by the schema
+    for block, specs in paths.nested_path_fields(_train_config_class()).items():
+        inner = values.get(block)
+        if isinstance(inner, Mapping):
+            for sub, spec in specs.items():
+                if sub in inner and not _check_value(f"train_config.{spec.name}", inner[sub], spec, roots, base,
+                                                     output_base, problems):
+                    values[block] = {k: v for k, v in inner.items() if k != sub}
+                    inner = values[block]
 
     # Files named by the config are read here, from where they resolve, so the schema never opens a file.
     hooks = _text(values.get("webhook_config"))
@@ -209,6 +226,7 @@ def check_config(
     config = backends = None
     resolution = resolution_type = None
     schema_version = None
+    distills = False
     seen = {p.path for p in problems}
     try:
         loaded = load_train_config(loadable)
@@ -216,6 +234,7 @@ def check_config(
         warnings.extend(str(w) for w in loaded.warnings or [])
         frozen = dump_train_config(loaded.config)
         resolution, resolution_type = loaded.config.resolution, loaded.config.resolution_type
+        distills = loaded.config.distillation is not None  # learns from prompts: no image dataset needed
         schema_version = getattr(loaded.config, "config_version", None)
         for name, value, spec in paths.config_paths(loaded.config):  # defaults are paths too
             # output_dir is the server's own choice for a job (RUN_DIR/output); the others, defaults included, count
@@ -228,7 +247,8 @@ def check_config(
         logger.exception("train config check crashed")
         problems.append(FieldProblem("train_config", f"could not be checked: {exc}"))
     try:
-        backends = load_data_backends(list(data_backends), resolution=resolution, resolution_type=resolution_type)
+        backends = load_data_backends(list(data_backends), resolution=resolution, resolution_type=resolution_type,
+                                      require_images=not distills)
         warnings.extend(str(w) for w in backends.warnings or [])
         for name, value, spec in paths.config_paths(None, backends):  # e.g. cache_dir_vae from the id
             label = "data_backends" + name[len("datasets"):]

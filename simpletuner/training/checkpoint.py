@@ -7,7 +7,10 @@ A checkpoint folder ``checkpoint-<step>`` holds
 - ``scheduler.pt``;
 - ``rng.pt`` (rank 0) and ``rng-rank<r>.pt``: every process's RNG states, since each draws its own noise;
 - ``ema.pt`` with ``use_ema``: the EMA of the trained weights and its update count;
-- ``training_state.json``: the run position (``RunState``) and the world size.
+- ``training_state.json``: the run position (``RunState``) and the world size;
+- a recipe with more than one trained network (distillation: the student's critic) adds
+  ``trainable-<name>.safetensors`` per further network and ``<name>.pt`` per further state (its optimizer, its
+  learning-rate schedule), written and read with the rest.
 
 A sharded run (FSDP, DeepSpeed: ``sharding.py``) writes its model and optimizer state its own way instead of
 ``trainable.safetensors`` / ``optimizer.pt`` (every process its shard, all of them together), and
@@ -29,7 +32,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,7 @@ log = logging.getLogger("simpletuner.checkpoint")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _TEMP = re.compile(r"^\.checkpoint-\d+(\.tmp|-.*)$")
+_PART = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 class CheckpointDamaged(ValueError):
@@ -140,14 +144,20 @@ def fsync_tree(folder: Path) -> None:
 def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.Tensor] | None, optimizer,
                     lr_scheduler, total_limit: int | None, rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] | None = None, shards=None,
-                    ema_state: dict | None = None, extra: Callable[[Path], None] | None = None) -> Path:
+                    ema_state: dict | None = None, extra: Callable[[Path], None] | None = None,
+                    extra_trainable: Mapping[str, dict[str, torch.Tensor]] | None = None,
+                    extra_states: Mapping[str, dict] | None = None) -> Path:
     """Write ``checkpoint-<state.global_step>``; every rank calls this (``barrier`` synchronises them).
 
     ``trainable`` is needed on the main process only, and the main process saves the (replicated) optimizer state;
     with ``shards`` (a sharded run, ``sharding.py``) every rank writes its part of both through ``shards.save``.
     ``extra(folder)`` (main process) writes more files into the checkpoint before it is published (the LoRA as users
-    load it), so they appear with it or not at all.
+    load it), so they appear with it or not at all. ``extra_trainable`` / ``extra_states`` (main process): further
+    networks' weights and further states by name (``trainable-<name>.safetensors``, ``<name>.pt``).
     """
+    for name in [*(extra_trainable or {}), *(extra_states or {})]:
+        if not _PART.match(name) or name in ("optimizer", "scheduler", "rng", "ema", "trainable"):
+            raise ValueError(f"checkpoint part name {name!r} is not a plain lowercase name of its own")
     barrier = barrier or (lambda: None)
     root = Path(output_dir)
     step = state.global_step
@@ -172,6 +182,11 @@ def save_checkpoint(output_dir, state: RunState, *, trainable: dict[str, torch.T
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
             if ema_state is not None:
                 torch.save(ema_state, tmp / "ema.pt")
+            for name, tensors in (extra_trainable or {}).items():
+                save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                          tmp / f"trainable-{name}.safetensors")
+            for name, part in (extra_states or {}).items():
+                torch.save(part, tmp / f"{name}.pt")
             if extra is not None:
                 extra(tmp)
             meta = {**state.position(), "world_size": world_size}
@@ -204,11 +219,13 @@ def read_training_state(path: Path) -> dict:
     return saved
 
 
-def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, shards=None) -> dict:
+def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, shards=None, *, extra_trainable=(),
+                    extra_states=()) -> dict:
     """Every file of ``checkpoint-<step>`` this rank restores, read into memory (a sharded run's tensors are only
     checked: they are read straight into its shards); CheckpointDamaged names the first one that is missing or does
     not read back whole, so a damaged checkpoint restores nothing. Every rank's RNG file is read on every rank, so
-    all ranks judge a checkpoint alike."""
+    all ranks judge a checkpoint alike. ``extra_trainable`` / ``extra_states`` name the further parts a recipe saved
+    (each must be there)."""
     path = Path(path)
     saved = read_training_state(path)
     sharding = saved.get("sharding")
@@ -237,6 +254,16 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, shards=None)
         except Exception as exc:  # safetensors' own error type: a truncated file, a bad header
             raise CheckpointDamaged(f"{path / 'trainable.safetensors'}: damaged ({exc})") from None
         parts["optimizer"] = load_pt(path / "optimizer.pt")
+    parts["extra_trainable"] = {}
+    for name in extra_trainable:
+        file = path / f"trainable-{name}.safetensors"
+        if not file.is_file():
+            raise CheckpointDamaged(f"{file}: missing")
+        try:
+            parts["extra_trainable"][name] = load_file(file)
+        except Exception as exc:
+            raise CheckpointDamaged(f"{file}: damaged ({exc})") from None
+    parts["extra_states"] = {name: load_pt(path / f"{name}.pt") for name in extra_states}
     parts["scheduler"] = load_pt(path / "scheduler.pt")
     if (path / "ema.pt").is_file():
         parts["ema"], parts["ema_file"] = load_pt(path / "ema.pt"), str(path / "ema.pt")
@@ -247,10 +274,14 @@ def read_checkpoint(path: Path, rank: int = 0, world_size: int = 1, shards=None)
     return parts
 
 
-def _restore(path: Path, parts: dict, state: RunState, optimizer, lr_scheduler, ema=None,
-             shards=None) -> dict[str, torch.Tensor] | None:
-    if ema is not None and "ema" in parts:  # first: it checks the saved shapes against the model
+def _restore(path: Path, parts: dict, state: RunState, optimizer, lr_scheduler, ema=None, shards=None,
+             extra_trainable=None, extra_states=None) -> dict[str, torch.Tensor] | None:
+    for name, load in (extra_trainable or {}).items():  # first, with the EMA: they check shapes against the models
+        load(parts["extra_trainable"][name], f"{path}/trainable-{name}.safetensors")
+    if ema is not None and "ema" in parts:
         ema.load_state_dict(parts["ema"], parts["ema_file"])
+    for name, target in (extra_states or {}).items():
+        target.load_state_dict(parts["extra_states"][name])
     if "shards" in parts:
         shards.load(path, parts["shards"])  # the weights and the optimizer, every rank together
     else:
@@ -262,35 +293,42 @@ def _restore(path: Path, parts: dict, state: RunState, optimizer, lr_scheduler, 
 
 
 def load_checkpoint(path: Path, state: RunState, *, optimizer, lr_scheduler, rank: int = 0,
-                    world_size: int = 1, ema=None, shards=None) -> dict[str, torch.Tensor] | None:
+                    world_size: int = 1, ema=None, shards=None, extra_trainable=None,
+                    extra_states=None) -> dict[str, torch.Tensor] | None:
     """Restore optimizer, scheduler, the EMA (when ``ema`` is given), this rank's RNG and the run position into
     ``state``; returns the trainable weights (None for a sharded run, whose ``shards`` restores them itself).
     Everything is read (and checked) before anything is restored. A sharded checkpoint needs the world size it was
-    saved with."""
+    saved with. ``extra_trainable`` maps a further network's name to ``load(weights, source)``; ``extra_states`` a
+    further state's name to an object with ``load_state_dict``."""
     path = Path(path)
-    return _restore(path, read_checkpoint(path, rank, world_size, shards), state, optimizer, lr_scheduler, ema,
-                    shards)
+    parts = read_checkpoint(path, rank, world_size, shards, extra_trainable=tuple(extra_trainable or ()),
+                            extra_states=tuple(extra_states or ()))
+    return _restore(path, parts, state, optimizer, lr_scheduler, ema, shards, extra_trainable, extra_states)
 
 
 def resume(output_dir: str | Path, resume_from_checkpoint: str | None, state: RunState, *, optimizer, lr_scheduler,
-           rank: int = 0, world_size: int = 1, ema=None,
-           shards=None) -> tuple[Path, dict[str, torch.Tensor] | None] | None:
+           rank: int = 0, world_size: int = 1, ema=None, shards=None, extra_trainable=None,
+           extra_states=None) -> tuple[Path, dict[str, torch.Tensor] | None] | None:
     """Restore ``resume_from_checkpoint`` into ``state``; returns (path, trainable weights or None when ``shards``
     restored them), or None when there is nothing to resume. With ``latest`` a damaged newest checkpoint is
-    reported by file and the one before it used."""
+    reported by file and the one before it used. ``extra_trainable`` / ``extra_states`` as for
+    ``load_checkpoint``."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint != "latest":
         path = resolve_resume(output_dir, resume_from_checkpoint)
         return path, load_checkpoint(path, state, optimizer=optimizer, lr_scheduler=lr_scheduler, rank=rank,
-                                     world_size=world_size, ema=ema, shards=shards)
+                                     world_size=world_size, ema=ema, shards=shards,
+                                     extra_trainable=extra_trainable, extra_states=extra_states)
     for path in reversed(list_checkpoints(output_dir)):
         try:
-            parts = read_checkpoint(path, rank, world_size, shards)
+            parts = read_checkpoint(path, rank, world_size, shards, extra_trainable=tuple(extra_trainable or ()),
+                                    extra_states=tuple(extra_states or ()))
         except CheckpointDamaged as exc:
             log.warning("%s; resuming from the checkpoint before it", exc)
             continue
-        return path, _restore(path, parts, state, optimizer, lr_scheduler, ema, shards)
+        return path, _restore(path, parts, state, optimizer, lr_scheduler, ema, shards, extra_trainable,
+                              extra_states)
     return None
 
 

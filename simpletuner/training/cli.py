@@ -146,6 +146,8 @@ def run_recipe(args, module: str) -> int:
 
     if caching:
         from simpletuner.training.split import run_cache as run_module
+    elif loaded.config.distillation is not None:  # the distillation recipe, beside fine-tuning's
+        from simpletuner.training.distill import run as run_module
     else:
         from simpletuner.training.trainer import run as run_module
     try:

@@ -774,9 +774,10 @@ def _checkpointer(config, accelerator, transformer, optimizer, lr_scheduler, rep
     return save
 
 
-def run(config, backends) -> int:
-    """Train and report the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
-    return run_reported(train, config, backends, lambda result: dict(
+def run(config, backends, recipe=None) -> int:
+    """Train (with ``recipe``, default fine-tuning's ``train``; the distillation recipe passes its own) and report
+    the outcome to the webhooks; returns a process exit code (0, 1, or 143 on SIGTERM)."""
+    return run_reported(recipe or train, config, backends, lambda result: dict(
         final_loss=result.final_loss, lora_path=result.lora_path, model_path=result.model_path,
         output_dir=result.output_dir, steps=result.global_step))
 

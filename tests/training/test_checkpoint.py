@@ -277,3 +277,37 @@ for step in (5, 10):
     path, _, state = _resume(tmp_path)
     assert path.name == "checkpoint-5" and state.global_step == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5", "fired"]
+
+
+def test_extra_networks_and_states_round_trip_and_a_missing_one_is_named(tmp_path):
+    """A recipe with a second network (distillation's critic) saves its weights, optimizer and schedule beside the
+    first one's, and resume restores all of them, or none when one is missing."""
+    model, opt, sched = _parts()
+    critic, critic_opt, critic_sched = _parts(seed=4)
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None,
+                                extra_trainable={"critic": dict(critic.named_parameters())},
+                                extra_states={"critic_optimizer": critic_opt.state_dict(),
+                                              "critic_scheduler": critic_sched.state_dict()})
+    assert {"trainable-critic.safetensors", "critic_optimizer.pt", "critic_scheduler.pt"} <= {
+        p.name for p in path.iterdir()}
+    loaded = {}
+    fresh_model, fresh_opt, fresh_sched = _parts(seed=7)
+    _, fresh_critic_opt, fresh_critic_sched = _parts(seed=8)
+    state = _state(0)
+    resumed = ckpt.resume(tmp_path, "latest", state, optimizer=fresh_opt, lr_scheduler=fresh_sched,
+                          extra_trainable={"critic": lambda weights, source: loaded.update(weights=weights,
+                                                                                            source=source)},
+                          extra_states={"critic_optimizer": fresh_critic_opt, "critic_scheduler": fresh_critic_sched})
+    assert resumed[0] == path and state.global_step == 3
+    assert torch.equal(loaded["weights"]["weight"], critic.weight.detach())
+    assert loaded["source"].endswith("trainable-critic.safetensors")
+    saved = critic_opt.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh_critic_opt.state_dict()["state"][0]["exp_avg"], saved)
+    (path / "critic_optimizer.pt").unlink()
+    with pytest.raises(ckpt.CheckpointDamaged, match="critic_optimizer.pt: missing"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=fresh_opt, lr_scheduler=fresh_sched,
+                             extra_states={"critic_optimizer": fresh_critic_opt})
+    with pytest.raises(ValueError, match="not a plain lowercase name"):
+        ckpt.save_checkpoint(tmp_path, _state(4), trainable={}, optimizer=opt, lr_scheduler=sched, total_limit=None,
+                             extra_states={"optimizer": {}})
