@@ -6,10 +6,12 @@ use (deterministic from a seed) and then read back by the same ``from_pretrained
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import string
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,11 @@ def ensure_checkpoint(name: str, writer: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         writer(tmp)
+        empty = _empty_components(tmp)
+        if empty:
+            # transformers' save_pretrained writes nothing on a rank other than 0 once torch.distributed is up:
+            # this process's copy is incomplete, and rank 0 is writing the whole one
+            return _wait_for(target, f"{', '.join(empty)} came out empty here (not rank 0 of a distributed run?)")
         try:
             os.rename(tmp, target)
         except OSError:
@@ -48,6 +55,23 @@ def ensure_checkpoint(name: str, writer: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _empty_components(folder: Path) -> list[str]:
+    """The components model_index.json names whose folder is missing or empty."""
+    index = json.loads((folder / "model_index.json").read_text()) if (folder / "model_index.json").is_file() else {}
+    return [name for name, spec in index.items()
+            if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None
+            and not ((folder / name).is_dir() and any((folder / name).iterdir()))]
+
+
+def _wait_for(target: Path, why: str, timeout: float = 600.0) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (target / "model_index.json").is_file():
+            return target
+        time.sleep(0.2)
+    raise RuntimeError(f"tiny checkpoint {target}: {why}, and no other process wrote it within {timeout:.0f} s")
 
 
 def clip_tokenizer(max_length: int = 77):

@@ -29,9 +29,8 @@ def run(args) -> int:
         return 1
     cli.check_packages(config)
     if args.num_processes > 1:
-        command = cli.launch_command(args)
-        command[command.index("simpletuner.train")] = "simpletuner.training.distill_cli"
-        return subprocess.call(command, env=cli.launch_env())
+        command = cli.launch_command(args, module="simpletuner.training.distill_cli")
+        return subprocess.call(command, env=cli.launch_env(cli.launch_spec(args)))
     from simpletuner.config import ConfigError
     from simpletuner.data.discovery import DatasetError
     from simpletuner.training.distill import make_pairs

@@ -60,7 +60,8 @@ def test_the_walkthrough_configure_validate_train(project, tmp_path_factory):
     # step 1 of the walk-through: the wizard writes a config of its own (answers piped, as docs/quickstart-flux.md
     # shows); it refuses to overwrite the quickstart's files, so it is run in a fresh folder
     wizard_dir = tmp_path_factory.mktemp("wizard")
-    answers = "\n".join(["flux", "krea", "lora", "16", "1000", "1e-4", "datasets/dreambooth-subject",
+    shutil.copytree(project / "datasets" / "dreambooth-subject", wizard_dir / "datasets" / "dreambooth-subject")
+    answers = "\n".join(["flux", "krea", "lora", "16", "1000", "1e-4", "bf16", "datasets/dreambooth-subject",
                          "instanceprompt", "the name of your subject goes here", "1024", "output/models"]) + "\n"
     configured = run(wizard_dir, "configure", stdin=answers)
     assert configured.returncode == 0, configured.stderr
