@@ -8,9 +8,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
+# Two xdist workers and the trainers they start share two cores: one intra-op thread per process, or torch's
+# OpenMP threads oversubscribe the cores (set before anything imports torch; subprocesses inherit it)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.helpers import flux_config, left_unchanged
+import pytest  # noqa: E402
+
+from tests.helpers import flux_config, left_unchanged  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
