@@ -153,9 +153,9 @@ def test_first_hour(page, server, tmp_path):
     # ---- a second, longer job: cancelled after a checkpoint, then resumed from it ----
     page.goto(f"{server.url}/configs/first-lora")
     page.wait_for_selector("body[data-ready]")
-    field(page, "train_config.max_train_steps").fill("400")
+    field(page, "train_config.max_train_steps").fill("20000")  # cancelled long before its end
     field(page, "train_config.checkpointing_steps").fill("5")
-    field(page, "train_config.validation_steps").fill("1000")
+    field(page, "train_config.validation_steps").fill("20000")
     page.click("#queue-button")
     page.wait_for_url("**/jobs/*")
     second = int(page.url.rsplit("/", 1)[1])
