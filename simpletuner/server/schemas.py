@@ -420,6 +420,8 @@ class ClaimOut(BaseModel):
     main_process_port: int | None = None
     run_dir: str
     config: str
+    module: str = Field("simpletuner.train", description="what the launcher runs: simpletuner.train, or "
+                                                           "simpletuner.cache for a cache job")
     webhook_secret: str | None = None
     allowed_roots: list[str]
     resume_step: int | None = None

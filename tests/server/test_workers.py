@@ -148,3 +148,20 @@ def test_a_worker_that_stops_heartbeating_loses_its_lease_and_its_job(app_client
     again = _register(c, token, "w1")
     retry = _claim(c, token, again).json()
     assert (retry["job_id"], retry["attempt"]) == (job_id, 2)
+
+
+def test_a_worker_runs_a_cache_job_as_stage_1_and_its_train_job_only_after_it(app_client):
+    c = app_client
+    token = _token(c)
+    worker = _register(c, token, "w1", slots=2)
+    cache = _submit(c, kind="cache")
+    train = _submit(c, depends_on=cache, train={"train_from_cache": True})
+    claim = _claim(c, token, worker).json()
+    assert (claim["job_id"], claim["module"]) == (cache, "simpletuner.cache")
+    c.post(f"/api/workers/{worker}/assignments/{claim['assignment_id']}/started", json={"pid": 1},
+           headers=_as(token))
+    assert _claim(c, token, worker).status_code == 204  # the train job waits while its cache job runs
+    c.post(f"/api/workers/{worker}/assignments/{claim['assignment_id']}/finished", json={"exit_code": 0},
+           headers=_as(token))
+    claim = _claim(c, token, worker).json()
+    assert (claim["job_id"], claim["module"]) == (train, "simpletuner.train")
