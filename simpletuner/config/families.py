@@ -176,6 +176,19 @@ LTXVIDEO = ModelFamily(
     resolution_multiple=32,
 )
 
+LTXVIDEO2 = ModelFamily(
+    name="ltxvideo2",
+    description="Lightricks LTX-2 (19B audio+video DiT, flow matching, 32x/8x video VAE + audio VAE, Gemma 3 12B text)",
+    adapter="simpletuner.models.ltxvideo2:LTX2Adapter",
+    flavours=MappingProxyType({"2.0": "Lightricks/LTX-2", "tiny": None}),
+    default_flavour="2.0",
+    lora_targets=("video", "all", "all+ffs"),
+    default_lora_target="video",
+    max_text_length=1024,
+    modality="video",
+    resolution_multiple=32,
+)
+
 HUNYUANVIDEO = ModelFamily(
     name="hunyuanvideo",
     description="Tencent HunyuanVideo (13B guidance-distilled video DiT, flow matching, Llama-3 8B + CLIP-L text)",
@@ -405,7 +418,7 @@ KOLORS = ModelFamily(
 
 _FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (FLUX, SD3, AURAFLOW, PIXART_SIGMA, SANA, LUMINA2, CHROMA, HIDREAM, QWEN_IMAGE, COSMOS2IMAGE,
-                        FLUX2, Z_IMAGE, SDXL, KOLORS, WAN, LTXVIDEO, HUNYUANVIDEO)
+                        FLUX2, Z_IMAGE, SDXL, KOLORS, WAN, LTXVIDEO, LTXVIDEO2, HUNYUANVIDEO)
 }
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(_FAMILIES)
 

@@ -102,7 +102,7 @@ def discover(backend, defaults, multiple: int, *, temporal_compression: int | No
         raise DatasetError(f"datasets[{backend.id}].instance_data_dir: folder {root} does not exist")
     if temporal_compression is None and getattr(backend, "dataset_type", "image") == "video":
         raise DatasetError(f"datasets[{backend.id}].dataset_type: 'video' needs a video model family "
-                           "(wan, ltxvideo, hunyuanvideo); this one trains on images")
+                           "(wan, ltxvideo, ltxvideo2, hunyuanvideo); this one trains on images")
     result = DatasetSamples(backend.id, repeats=int(getattr(backend, "repeats", 0) or 0),
                             probability=float(getattr(backend, "probability", 1.0) or 1.0))
     video = temporal_compression is not None

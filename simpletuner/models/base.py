@@ -102,6 +102,9 @@ class ModelAdapter(metaclass=_AdapterMeta):
     #: (encoder subfolder, encoder class, tokenizer subfolder, tokenizer class) for each text encoder, in the order
     #: ``text_encoder_1_precision``, ``text_encoder_2_precision``, ... refer to them
     text_encoder_specs: tuple[tuple[str, Any, str, Any], ...] = ()
+    #: module-name patterns (fnmatch) of the denoiser that ``base_model_precision`` keeps in full precision besides
+    #: the shared ones (``quantize.DEFAULT_EXCLUDE``): a family's embedders and projections outside its blocks
+    full_precision_modules: tuple[str, ...] = ()
     #: the keyword the pipeline's ``save_lora_weights`` takes the denoiser's LoRA layers under
     lora_layers_argument: str = "transformer_lora_layers"
     #: pixel multiple a training image must have (VAE downscale x transformer patch size)

@@ -129,12 +129,40 @@ def quantize_model(
     else:
         from optimum.quanto import freeze, quantize
 
+        use_quantos_torch_unpack_on_cpu()
         quantize(module, weights=_qtype(precision), exclude=patterns or None)
         freeze(module)
     module.requires_grad_(False)
     logger.info("%s: quantized %d linear layers to %s (%d kept full precision)", field,
                 count_quantized(module), precision, _count_linear(module) - count_quantized(module))
     return module
+
+
+def use_quantos_torch_unpack_on_cpu() -> None:
+    """Unpack int4 / int2 quanto weights on the CPU with torch ops instead of quanto's C++ extension.
+
+    quanto's CPU kernel for ``quanto::unpack`` is a C++ extension that it compiles (``torch.utils.cpp_extension``)
+    the first time a packed weight is read: it needs a C++ toolchain, and compiling against torch's headers takes
+    minutes on a small machine (more than 15 on two busy cores), inside the run's first step. Unpacking is a shift
+    and a mask per value in a byte, which torch does directly. CUDA and MPS keep quanto's kernels. Idempotent.
+    """
+    import types
+
+    from optimum.quanto.library.extensions import get_extension, is_extension_available
+
+    if is_extension_available("quanto_cpp"):
+        extension = get_extension("quanto_cpp")
+        if extension._lib is None:  # not built or loaded yet: its one entry point, without compiling
+            extension._lib = types.SimpleNamespace(unpack=unpack_bits)
+
+
+def unpack_bits(packed: "torch.Tensor", bits: int) -> "torch.Tensor":
+    """quanto's packed layout: byte j of ``packed`` holds rows j, j + n, j + 2n, ... (n = len(packed)) of the
+    unpacked tensor, ``bits`` each, lowest first; returns the (8 / bits) * n rows as uint8."""
+    import torch
+
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * i)) & mask for i in range(8 // bits)]).to(torch.uint8)
 
 
 def selected_linears(module, exclude: Iterable[str]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -10,6 +11,24 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 ADAPTER_NAME = "default"
+
+
+@contextmanager
+def seeded_initial_weights(seed: int | None):
+    """Draw an adapter's random initial weights (LoRA's A, LyCORIS') from ``seed`` alone.
+
+    The global generator is seeded at the start of a run, but imports and model loaders draw from it before the
+    adapter is attached, and only the first time in a process: without this a run's LoRA started from other weights
+    than the same config trained again in the same process (in a test, a notebook). The global state is restored
+    afterwards, so the run's own draws do not shift either. ``None`` (no seed asked for): unchanged.
+    """
+    if seed is None:
+        yield
+        return
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
 
 
 def add_lora(transformer, adapter, config) -> LoraConfig:

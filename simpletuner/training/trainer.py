@@ -38,7 +38,7 @@ from simpletuner.training import sharding
 from simpletuner.training.evaluator import Evaluator
 from simpletuner.training.guards import NanLossGuard, require_finite
 from simpletuner.training.lora import (add_lora, add_lycoris, load_lora_state, load_lycoris_trainable, lora_state_dict,
-                                       lycoris_network, lycoris_trainable_state, save_lycoris)
+                                       lycoris_network, lycoris_trainable_state, save_lycoris, seeded_initial_weights)
 from simpletuner.training.optimizers import (OPTIMIZERS, build_optimizer, evaluation_weights, optimizer_class,
                                              optimizer_kwargs, param_groups)
 from simpletuner.training.state import RunState
@@ -323,17 +323,19 @@ def build_transformer(config, adapter, accelerator, generator: torch.Generator):
     device = accelerator.device
     transformer = adapter.load_transformer()
     if config.base_model_precision not in (None, "no_change"):
-        from simpletuner.models.quantize import check_quantized_training, quantize_model
+        from simpletuner.models.quantize import DEFAULT_EXCLUDE, check_quantized_training, quantize_model
 
         check_quantized_training(config.base_model_precision, model_type=config.model_type,
                                  init_lora_weights=config.lora_init_type)
         quantize_model(transformer, config.base_model_precision,
+                       exclude=(*DEFAULT_EXCLUDE, *adapter.full_precision_modules),
                        device=device if config.quantize_via == "accelerator" else None)
     if config.model_type == "lora":
-        if config.lora_type == "lycoris":
-            add_lycoris(transformer, adapter, config)
-        else:
-            add_lora(transformer, adapter, config)
+        with seeded_initial_weights(config.seed):  # the same seed, the same initial LoRA, whatever ran before
+            if config.lora_type == "lycoris":
+                add_lycoris(transformer, adapter, config)
+            else:
+                add_lora(transformer, adapter, config)
         for p in transformer.parameters():
             if p.requires_grad:
                 p.data = p.data.float()  # LoRA weights train in fp32 over a frozen base of any dtype

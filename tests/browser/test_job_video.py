@@ -1,4 +1,4 @@
-"""Each video family's job in a real browser: a tiny LoRA (Wan, LTX-Video, HunyuanVideo) on the sample video dataset,
+"""Each video family's job in a real browser: a tiny LoRA (Wan, LTX-Video, LTX-2, HunyuanVideo) on the sample video dataset,
 queued through the API, whose job page shows each validation video as a playable <video> (the mp4 the trainer sent
 over the webhook, its first frame as the poster), decoded by Chromium to the expected size and length."""
 
@@ -14,7 +14,7 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 FPS = 16
 # two latent frames of each video family: its VAE's temporal compression + 1
-VIDEO_FAMILIES = {"wan": 5, "ltxvideo": 9, "hunyuanvideo": 5}
+VIDEO_FAMILIES = {"wan": 5, "ltxvideo": 9, "ltxvideo2": 9, "hunyuanvideo": 5}
 
 
 @pytest.mark.parametrize("family", sorted(VIDEO_FAMILIES))

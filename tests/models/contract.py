@@ -69,17 +69,24 @@ def group_offload_losses(family: str, tmp_path, precision: str, flavour: str = "
     return losses
 
 
+def _record_steps(pipe, record) -> None:
+    """Call ``record(model_output, sample)`` at each ``step`` of the pipeline's own scheduler, not at a copy's the
+    pipeline makes of it for another stream (LTX-2 deep-copies its scheduler for the audio latents)."""
+    scheduler = pipe.scheduler
+    base = type(scheduler)
+
+    def step(self, model_output, timestep, sample, *args, **kwargs):
+        if self is scheduler:
+            record(model_output, sample)
+        return base.step(self, model_output, timestep, sample, *args, **kwargs)
+
+    scheduler.__class__ = type(f"Recording{base.__name__}", (base,), {"step": step})
+
+
 def _capture_scheduler_input(pipe):
     """Record the model output the pipeline hands its scheduler's first ``step``."""
     captured = []
-    step = pipe.scheduler.step
-
-    def recording_step(model_output, *args, **kwargs):
-        if not captured:
-            captured.append(model_output.detach().clone())
-        return step(model_output, *args, **kwargs)
-
-    pipe.scheduler.step = recording_step
+    _record_steps(pipe, lambda output, sample: captured or captured.append(output.detach().clone()))
     return captured
 
 
@@ -103,13 +110,7 @@ def _pixels(adapter) -> torch.Tensor:
 def _capture_scheduler_steps(pipe):
     """Record (model output, latents) the pipeline hands its scheduler's ``step`` at every step."""
     captured = []
-    step = pipe.scheduler.step
-
-    def recording_step(model_output, timestep, sample, *args, **kwargs):
-        captured.append((model_output.detach().clone(), sample.detach().clone()))
-        return step(model_output, timestep, sample, *args, **kwargs)
-
-    pipe.scheduler.step = recording_step
+    _record_steps(pipe, lambda output, sample: captured.append((output.detach().clone(), sample.detach().clone())))
     return captured
 
 

@@ -126,6 +126,23 @@ def test_all_precisions_run_on_cpu():
             assert out.shape == reference.shape and torch.isfinite(out).all(), precision
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_packed_weights_unpack_on_the_cpu_without_compiling(bits):
+    """int4 / int2 weights read on the CPU go through our torch unpack (quanto's own pack round-trips through it),
+    and quanto's C++ extension is never built (compiling it took over 15 minutes inside a first step)."""
+    from optimum.quanto.library.extensions import get_extension
+    from optimum.quanto.tensor.packed import PackedTensor
+
+    from simpletuner.models.quantize import unpack_bits
+
+    inputs = flux_inputs(batch=1)
+    with torch.no_grad():
+        quantize_model(tiny_flux(), f"int{bits}-quanto")(**inputs)
+    assert getattr(get_extension("quanto_cpp")._lib, "unpack", None) is unpack_bits
+    values = torch.randint(0, 2**bits, (37, 5), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    assert torch.equal(PackedTensor.pack(values, bits=bits).unpack(), values)
+
+
 def test_no_change_returns_module_untouched():
     model = tiny_flux()
     state = copy.deepcopy(model.state_dict())

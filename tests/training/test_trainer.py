@@ -256,3 +256,30 @@ def test_tread_never_routes_masked_tokens_out(setup):
     finally:
         handle.remove()
         transformer.eval()
+
+
+@pytest.mark.parametrize("extra", [{}, {"lora_type": "lycoris", "lycoris_config": {"algo": "lokr", "factor": 4}}],
+                         ids=["lora", "lycoris"])
+def test_the_initial_adapter_is_the_seeds_whatever_drew_before(tiny_flux_path, extra):
+    """The same seed gives the same initial LoRA (LyCORIS) even when something drew from torch's global generator
+    in between (imports and loaders do, once per process), and the run's own draws after it are not shifted."""
+    from simpletuner.training.trainer import build_transformer
+
+    accelerator = namespace(device=torch.device("cpu"))
+
+    def initial(seed: int) -> dict[str, torch.Tensor]:
+        config = flux_config(seed=seed, lora_dropout=0.0, **extra)
+        model = build_transformer(config, FluxAdapter(config), accelerator, torch.Generator().manual_seed(0))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    torch.manual_seed(123)
+    untouched = torch.rand(4)
+    torch.manual_seed(123)
+    first = initial(0)
+    assert torch.equal(torch.rand(4), untouched)  # attaching it drew nothing from the global generator
+    torch.rand(1000)  # what a first-time import or loader would draw
+    second = initial(0)
+    assert first.keys() == second.keys() and first
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    other = initial(1)
+    assert any(not torch.equal(first[k], other[k]) for k in first)
