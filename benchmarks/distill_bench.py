@@ -43,6 +43,8 @@ def parse_args():
     p.add_argument("--eval-noises", type=int, default=4, help="fresh noises per caption for the comparison")
     p.add_argument("--reference-steps", type=int, default=50, help="the teacher's reference sample steps")
     p.add_argument("--resolution", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s: the tiny "
+                   "model is overhead-bound, and more threads than free cores spin)")
     return p.parse_args()
 
 
@@ -154,6 +156,7 @@ def distances(args, work: Path, teacher: Path, students: dict[str, Path]) -> dic
 
 def main() -> int:
     args = parse_args()
+    torch.set_num_threads(args.threads)
     work = (REPO / args.work_dir) if not Path(args.work_dir).is_absolute() else Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]

@@ -138,6 +138,12 @@ def run_recipe(args, module: str) -> int:
     caching = module == "simpletuner.cache"
     check_packages(loaded.config, ("text_encoder_",) if caching else None)  # stage 1 loads only the encoders
     if args.num_processes > 1 or getattr(args, "num_machines", 1) > 1:
+        if not caching and loaded.config.distillation is not None:  # refused here, before any rank starts
+            from simpletuner.training.distill import single_process_error
+
+            field, message = single_process_error(args.num_processes)
+            print(f"error: {field}: {message}", file=sys.stderr)
+            return 1
         return subprocess.call(launch_command(args, module), env=launch_env(launch_spec(args)))
     # transformers' import-time notices (e.g. about torchvision) are noise in a training log
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

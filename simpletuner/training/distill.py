@@ -6,8 +6,10 @@ in the few steps of ``denoising_step_list``; for dmd / sid / gan a critic (the "
 learns the student's samples. Prompts are all the data it needs.
 
 One step (``global_step``), with every random draw from the run's generator:
-- ``ode_regression``: draw stored teacher trajectories (``distill_pairs``) and one of each one's points; the
-  student predicts x0 there; MSE to the trajectory's end; backward, clip, step (and EMA).
+- ``ode_regression``: draw stored teacher trajectories (``distill_pairs``) and one of the student's steps for each
+  (with the ``ode`` sampler the point of that step on the line from the trajectory's noise to its end, else the
+  trajectory's point there); the student predicts x0 there; MSE to the trajectory's end; backward, clip, step (and
+  EMA).
 - ``dmd`` / ``sid`` / ``gan`` (``+gan``): every ``generator_update_ratio``-th step the student rolls out from noise
   (autograd only at one random step, Self-Forcing's backward simulation); the teacher (with CFG) and the critic
   predict x0 on a noised copy of its sample: DMD moves the sample along their difference, SiD takes its own loss,
@@ -37,6 +39,7 @@ from tqdm.auto import tqdm
 from simpletuner.config import paths
 from simpletuner.config.files import write_json
 from simpletuner.config.distill import warped_step_list
+from simpletuner.config.errors import ConfigError
 from simpletuner.data.cache import TensorCache, fill_text_cache, negative_identity, text_key
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.registry import create_adapter
@@ -46,7 +49,7 @@ from simpletuner.training.distill_losses import (BlockFeatures, GanHead, dmd_gra
                                                  ode_regression_loss, sid_loss)
 from simpletuner.training.distill_pairs import PairSpec, fill_pairs, pair_identity, pair_specs
 from simpletuner.training.distill_sampling import (CausalDenoiser, Denoiser, Rollout, critic_timesteps, renoise,
-                                                   unshifted_timestep)
+                                                   timesteps, unshifted_timestep)
 from simpletuner.training.distill_validation import StudentValidation
 from simpletuner.training.guards import NanLossGuard, require_finite
 from simpletuner.training.optimizers import build_optimizer, param_groups
@@ -286,6 +289,14 @@ class StepLosses:
     extras: dict[str, float] = field(default_factory=dict)
 
 
+def single_process_error(num_processes: int) -> tuple[str, str]:
+    """Why a distillation run is refused on several processes, as a (field, message) config error."""
+    return ("num_processes", f"{num_processes}: a distillation run trains on one process (multi-process "
+            "distillation is not supported yet: the student's and critic's updates, the GAN head and the causal "
+            "student are not synchronised across ranks); `simpletuner distill-pairs --num_processes N` makes the "
+            "teacher trajectories on several")
+
+
 def distill(config, backends, *, reporter: WebhookReporter | None = None) -> TrainResult:
     """Distill as ``config.distillation`` says; returns where the student is. Raises TrainingInterrupted on
     SIGTERM."""
@@ -294,6 +305,8 @@ def distill(config, backends, *, reporter: WebhookReporter | None = None) -> Tra
     reporter = reporter or WebhookReporter.from_env(getattr(config, "webhook_config", None))
     output_dir = Path(config.output_dir)
     accelerator = Accelerator(mixed_precision=config.mixed_precision if config.mixed_precision != "no" else "no")
+    if accelerator.num_processes > 1:
+        raise ConfigError([single_process_error(accelerator.num_processes)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.seed is not None:
         set_seed(config.seed)
@@ -504,6 +517,16 @@ def _optimise(accelerator, loss: torch.Tensor, optimizer, scheduler, params, con
     return value
 
 
+def sampler_points(objective, trajectories: torch.Tensor, first_step: float, t: torch.Tensor) -> torch.Tensor:
+    """Where the deterministic (``ode``) student sampler is at ``t`` (B,) when its x0 is each trajectory's end X:
+    X re-noised to ``t`` with the noise z that takes X to the trajectory's first point (x_t at ``first_step``; at
+    1000 on a flow-matching schedule z is that point). At ``first_step`` this is the trajectory's first point."""
+    start, end = trajectories[:, 0], trajectories[:, -1]
+    first = timesteps(first_step, start.shape[0], start.device)
+    z = objective.noise_from_x0(end, start, objective.from_train_timestep(first).to(start.device))
+    return renoise(objective, end, z, t).to(start.dtype)
+
+
 class DistillSteps:
     """The losses of one step, for the student and for the critic (see the module docstring). Every random draw
     (prompts, pairs, noise, timesteps, the rollout's exit step and re-noising) comes from ``generator``."""
@@ -599,13 +622,23 @@ class DistillSteps:
         return loss, extras
 
     def ode_regression(self) -> tuple[torch.Tensor, dict[str, float]]:
-        """A random point of each drawn trajectory (never its clean end) -> the student's x0 vs the end."""
+        """A point of each drawn trajectory at one of the student's steps -> the student's x0 vs its end.
+
+        Which point depends on how the student samples. With the ``ode`` sampler the student's own steps go from the
+        noise straight towards its x0: a student that predicts the teacher's sample X from the noise z lands on
+        ``renoise(X, z, t)`` at every later step, not on the teacher's curved trajectory. So it learns there (the
+        straight line between the trajectory's noise and its end, as rectified flow's reflow does); trained on the
+        curved points instead, its later steps see inputs it never learned and pull it off X. With ``consistency``
+        (fresh noise each step) and for the causal student, the points of the teacher's trajectory."""
         prompts, trajectories = self.draw_pairs()
         steps = torch.tensor(self.steps, dtype=torch.float64)
         if not self.d.causal:
             index = torch.randint(len(self.steps), (self.batch,), generator=self.generator)
-            x_t = trajectories[torch.arange(self.batch), index.to(self.device)]
             t = steps[index].to(self.device)
+            if self.d.student_sampler == "ode":
+                x_t = sampler_points(self.objective, trajectories, self.steps[0], t)
+            else:
+                x_t = trajectories[torch.arange(self.batch), index.to(self.device)]
         else:  # a point per frame block (CausVid / Self-Forcing): blocks at different noise levels
             blocks = self.student.layout.blocks(self.shape[1])
             per_block = torch.randint(len(self.steps), (self.batch, len(blocks)), generator=self.generator)

@@ -72,11 +72,37 @@ def test_errors_name_the_field(block, path, message):
 def test_fine_tuning_settings_it_does_not_read_are_refused():
     errors = errors_of({"prompts": ["x"]}, caption_dropout_probability=0.1,
                        tread_config={"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 1}]})
-    assert "not used by the distillation recipe" in errors["caption_dropout_probability"]
+    assert errors["caption_dropout_probability"] == ("is not used by the distillation recipe; remove it (or the "
+                                                     "distillation block)")
     assert "tread_config" in errors
     errors = errors_of({"prompts": ["x"]}, max_train_steps=None, num_train_epochs=3, gradient_accumulation_steps=2)
-    assert "set max_train_steps" in errors["max_train_steps"]
+    assert errors["max_train_steps"] == ("a distillation learns from prompts, with no epochs over a dataset: set "
+                                         "max_train_steps")
     assert "raise train_batch_size" in errors["gradient_accumulation_steps"]
+
+
+@pytest.mark.parametrize("values, field, message", [
+    ({"eval_steps_interval": 5}, "eval_steps_interval", "is not used by the distillation recipe; remove it (or the "
+                                                        "distillation block)"),
+    ({"lora_type": "lycoris", "lycoris_config": {"algo": "lokr"}}, "lora_type", "is not used by the distillation"),
+    ({"fsdp_enable": True}, "fsdp_enable", "the distillation recipe runs unsharded (its critic and GAN head are not "
+                                           "sharded); remove it (or the distillation block)"),
+    ({"deepspeed_config": {"zero_optimization": {"stage": 2}}}, "deepspeed_config", "runs unsharded"),
+    ({"train_from_cache": True}, "train_from_cache", "the distillation recipe encodes its prompts itself; remove it "
+                                                     "(or the distillation block)"),
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps", "the distillation recipe steps every network "
+                                                                        "every step; raise train_batch_size instead"),
+])
+def test_each_refused_setting_is_named_with_its_reason(values, field, message):
+    errors = errors_of({"prompts": ["x"]}, **values)
+    assert message in errors[field], errors
+
+
+def test_what_a_distillation_takes_is_not_refused():
+    config = load({"prompts": ["x"]}, eval_steps_interval=None, caption_dropout_probability=0.0, lora_type="standard",
+                  gradient_accumulation_steps=1, train_from_cache=False)
+    assert config.distillation.prompts == ["x"]
+    assert load({"prompts": ["x"]}, model_type="full").model_type == "full"
 
 
 def test_a_causal_wan_student():

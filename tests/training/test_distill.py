@@ -210,3 +210,46 @@ def test_what_the_model_cannot_do_is_refused_by_field(tmp_path, caches):
                              "max_train_steps": 1, "distillation": {"prompts": ["x"], "num_frames": 8}}).config
     with pytest.raises(DistillationError, match="distillation.num_frames: 8 is not 4k \\+ 1 frames"):
         sample_size(wan, create_adapter(wan))
+
+
+def test_several_processes_are_refused_by_the_cli_before_any_rank_starts(tmp_path, caches, monkeypatch, capsys):
+    """Multi-process distillation is not supported: ``simpletuner train --num_processes 2`` of a distillation
+    config exits 1 naming num_processes, without launching accelerate; fine-tuning configs still launch."""
+    import subprocess
+
+    from simpletuner import cli
+
+    (tmp_path / "backends.json").write_text(json.dumps([{"id": "text", "dataset_type": "text_embeds",
+                                                         "cache_dir": str(caches / "text")}]))
+    raw = {"model_family": "flux", "model_flavour": "tiny", "mixed_precision": "no", "max_train_steps": 3,
+           "resolution": 32, "resolution_type": "pixel", "output_dir": str(tmp_path / "output"),
+           "data_backend_config": str(tmp_path / "backends.json"),
+           "distillation": {"objective": "ode_regression", "prompts": PROMPTS}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: launched.append(a) or 0)
+    code = cli.main(["train", "--config", str(tmp_path / "config.json"), "--num_processes", "2"])
+    assert code == 1 and not launched
+    err = capsys.readouterr().err
+    assert "error: num_processes: 2: a distillation run trains on one process" in err
+    assert "distill-pairs --num_processes" in err
+
+
+def test_a_distillation_run_under_several_processes_is_refused_by_field(tmp_path, caches, monkeypatch):
+    """A run started on several ranks some other way (accelerate launch, a server job) stops before it loads or
+    trains anything, with the same error."""
+    from simpletuner.config.errors import ConfigError
+    from simpletuner.training import distill as recipe
+
+    class TwoRanks:
+        num_processes, process_index, is_main_process = 2, 0, True
+
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(recipe, "Accelerator", TwoRanks)
+    config, backends = setup(tmp_path, caches, "ode_regression")
+    with pytest.raises(ConfigError) as raised:
+        recipe.distill(config, backends, reporter=RecordingReporter())
+    assert [e.path for e in raised.value.errors] == ["num_processes"]
+    assert not (tmp_path / "output" / "transformer").exists()

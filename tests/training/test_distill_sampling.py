@@ -146,3 +146,39 @@ def test_step_subsets():
     assert step_subset(STEPS, 4) == STEPS
     with pytest.raises(ValueError):
         step_subset(STEPS, 5)
+
+
+@pytest.mark.parametrize("objective", [FlowMatching(), DDPMObjective("epsilon", {}), DDPMObjective("v_prediction", {})],
+                         ids=["flow", "epsilon", "v"])
+@pytest.mark.parametrize("steps", [STEPS, [shifted_timestep(t, 3.0) for t in STEPS]], ids=["plain", "shifted"])
+def test_ode_regression_learns_where_the_ode_student_samples(objective, steps):
+    """ODE regression with the ode sampler trains at the points the student's own deterministic steps visit: a
+    student whose x0 is the trajectory's end X at those points is fed exactly them, in every step subset, and its
+    sample is X. The teacher's curved trajectory points are not where it samples."""
+    from simpletuner.training.distill import sampler_points
+    from simpletuner.training.distill_sampling import renoise, timesteps
+
+    generator = torch.Generator().manual_seed(3)
+    end = torch.randn(2, 3, 4, 4, generator=generator)
+    start = renoise(objective, end, torch.randn(2, 3, 4, 4, generator=generator), timesteps(steps[0], 2))
+    bend = 0.3 * torch.randn(2, 3, 4, 4, generator=generator)  # a curved trajectory: off the straight line
+    trajectory = torch.stack([start, *[renoise(objective, end, start, timesteps(t, 2)) + bend for t in steps[1:]], end],
+                             dim=1)
+    for n in (1, 2, 4):
+        subset = step_subset(steps, n)
+        fed = []
+
+        def student(x, t):
+            fed.append(x.clone())
+            return end.clone()
+
+        sample = rollout(student, trajectory[:, 0], subset, objective, sampler="ode").sample
+        torch.testing.assert_close(sample, end)
+        for x, t in zip(fed, subset):
+            torch.testing.assert_close(x, sampler_points(objective, trajectory, steps[0], timesteps(t, 2)),
+                                       rtol=1e-4, atol=1e-4)
+    # the first point is the trajectory's start; the later ones are not the stored (curved) points
+    torch.testing.assert_close(sampler_points(objective, trajectory, steps[0], timesteps(steps[0], 2)), start,
+                               rtol=1e-4, atol=1e-4)
+    later = sampler_points(objective, trajectory, steps[0], timesteps(steps[2], 2))
+    assert (later - trajectory[:, 2]).abs().max() > 0.1
