@@ -214,7 +214,7 @@ def test_a_run_reads_what_it_configures(make_setup, monkeypatch):
                 "text_encoder_3_precision", "text_encoder_4_precision", "tokenizer_max_length", "pretrained_transformer_subfolder",
                 "gradient_checkpointing_interval", "validation_negative_prompt", "quantize_via", "lr_warmup_steps",
                 "rescale_betas_zero_snr", "flow_schedule_auto_shift", "num_train_epochs", "checkpoints_total_limit",
-                "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_families_e2e.py)
+                "framerate", "validation_num_video_frames",  # video families (tests/e2e/test_video_families_e2e.py)
                 "snr_gamma",  # DDPM objectives only (tests/models/test_objectives.py)
                 # full fine-tunes with regularisation data only (tests/e2e/test_regularisation_e2e.py)
                 "regularisation_base_device",

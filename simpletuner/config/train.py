@@ -190,6 +190,20 @@ class WebhookConfig(StrictModel):
 # --- optimizer kwargs, LyCORIS ---------------------------------------------------------------------------------
 
 
+def _split_outside_brackets(text: str) -> list[str]:
+    """``"a=1,b=(0.9,0.99)"`` -> ``["a=1", "b=(0.9,0.99)"]``: commas inside brackets do not split."""
+    depth, item, items = 0, "", []
+    for ch in text:
+        depth += 1 if ch in "([" else -1 if ch in ")]" else 0
+        if ch == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    items.append(item)
+    return items
+
+
 def _scalar(text: str) -> Any:
     """``"0.1"`` -> 0.1, ``"true"`` -> True, ``"none"`` -> None, ``"(0.9, 0.99)"`` -> [0.9, 0.99], else the text."""
     value = text.strip()
@@ -198,8 +212,8 @@ def _scalar(text: str) -> Any:
         return low == "true"
     if low in ("none", "null"):
         return None
-    if value[:1] in "([" and value[-1:] in ")]":
-        return [_scalar(v) for v in value[1:-1].split(",") if v.strip()]
+    if value.startswith(("(", "[")) and value.endswith((")", "]")):
+        return [_scalar(v) for v in _split_outside_brackets(value[1:-1]) if v.strip()]
     try:
         return int(value)
     except ValueError:
@@ -225,31 +239,24 @@ def parse_optimizer_config(value: Any) -> Any:
         except json.JSONDecodeError as exc:
             raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
     out: dict[str, Any] = {}
-    depth, item, items = 0, "", []
-    for ch in text:  # split on commas outside brackets: betas=(0.9,0.99) stays one item
-        depth += ch in "([" and 1 or ch in ")]" and -1 or 0
-        if ch == "," and depth == 0:
-            items.append(item)
-            item = ""
-        else:
-            item += ch
-    items.append(item)
-    for part in items:
+    for part in _split_outside_brackets(text):  # betas=(0.9,0.99) stays one item
         if not part.strip():
             continue
         key, sep, raw = part.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{part.strip()!r} is not key=value (e.g. 'd_coef=0.1,weight_decay=0.01')")
+        if not raw.strip():
+            raise ValueError(f"{key.strip()} has no value (e.g. '{key.strip()}=0.1')")
         out[key.strip()] = _scalar(raw)
     return out
 
 
 def _json_or_file(value: Any, what: str) -> Any:
-    """An object as given, a JSON string, or the path of a JSON file holding it."""
+    """An object (or list) as given, a JSON string, or the path of a JSON file holding it."""
     if not isinstance(value, str):
         return value
     text = value.strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
@@ -774,20 +781,7 @@ class TrainConfig(StrictModel):
     @field_validator("webhook_config", mode="before")
     @classmethod
     def _webhook_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith(("{", "[")):
-                try:
-                    value = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"is not valid JSON: {exc.msg} at column {exc.colno}") from None
-            else:
-                try:
-                    value = json.loads(Path(text).read_text())
-                except OSError:
-                    raise ValueError(f"file {text!r} not found (expected an object, a list or a JSON file)") from None
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{text}: not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+        value = _json_or_file(value, "an object or a list of them")
         if isinstance(value, dict):
             value = [value]
         return value

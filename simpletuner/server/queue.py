@@ -163,6 +163,13 @@ def read_log_tail(path: Path | str | None, lines: int = 60, max_bytes: int = 64 
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _checkpoint_step(relative: Path) -> int:
+    """The step of the ``checkpoint-<step>`` folder a run-relative path lies in (-1: none)."""
+    steps = [int(part[len("checkpoint-"):]) for part in relative.parts
+             if part.startswith("checkpoint-") and part[len("checkpoint-"):].isdigit()]
+    return steps[0] if steps else -1
+
+
 def _exit_code(returncode: int) -> int:
     """Shell convention: a process killed by signal N exits with 128+N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -630,7 +637,9 @@ class JobManager:
         if not out.get("lora_path") and output.is_dir():
             for name in LORA_NAMES:
                 hits = sorted(output.rglob(name), key=lambda p: (len(p.parts), str(p)))
-                hits = [h for h in hits if "checkpoint" not in str(h.relative_to(output))] or hits
+                # the final one; without it, the newest checkpoint's (by step: as text checkpoint-20 > -100)
+                hits = [h for h in hits if "checkpoint" not in str(h.relative_to(output))] or sorted(
+                    hits, key=lambda p: -_checkpoint_step(p.relative_to(output)))
                 if hits:
                     out["lora_path"] = str(hits[0])
                     break

@@ -45,9 +45,9 @@ from simpletuner.training.state import RunState
 
 log = logging.getLogger("simpletuner.checkpoint")
 
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+_NAME = re.compile(r"^checkpoint-(\d+)\Z")  # \Z: "$" would also match before a trailing newline
 _TEMP = re.compile(r"^\.checkpoint-\d+(\.tmp|-.*)$")
-_PART = re.compile(r"^[a-z][a-z0-9_]*$")
+_PART = re.compile(r"^[a-z][a-z0-9_]*\Z")
 
 
 class CheckpointDamaged(ValueError):

@@ -386,8 +386,10 @@ def _make_pre_hook(handle: TreadHandle, r: int, seg: int, spec, *, first: bool):
             return None
         if first:
             # Drawn once per forward: a checkpoint recompute re-enters with this same tensor and finds the selection.
+            # A tensor that went through a routed forward may come back in one that must not route (eval, no_grad,
+            # routing disabled): its stored selection is then not used.
             start = getattr(tokens, handle._sel_attr, None)
-            if start is None:
+            if start is None or not handle._routing(block):
                 selection = _select(handle, r, seg, block, tokens, args, kwargs, spec)
                 if selection is None:
                     return None

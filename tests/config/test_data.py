@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from simpletuner.config import ConfigError, load_data_backends, load_train_config, parse_data_backends
@@ -214,3 +216,211 @@ def test_reference_images_are_checked_against_the_model(make_backends):
         "datasets[held-out].conditioning_data: model_flavour 'kontext' is trained on (reference, edit) pairs: name "
         "the conditioning dataset holding this dataset's reference images"]
     assert check("flux", "kontext", ["refs"], eval_pairs=["refs"]).uses_references
+
+
+# --- what each entry's parsing decides, pinned by value (survivors of the config/data.py mutation pass) ---------
+
+@pytest.mark.parametrize("value", ["true", "1", "yes", "on", "t", "y", " TRUE ", "Yes", True, 1])
+def test_disabled_spellings_that_skip_an_entry(make_backends, value):
+    entries = make_backends()
+    entries.insert(0, {"id": "old", "disabled": value, "type": "s3"})  # invalid: only skipping it lets this parse
+    backends = parse_data_backends(entries)
+    assert backends.disabled == ["old"] and [d.id for d in backends.datasets] == ["pics"]  # the entries after it too
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", "off", "F", "n", False, 0])
+def test_values_that_do_not_disable_an_entry(make_backends, value):
+    entries = make_backends()
+    entries.append({"id": "kept", "disabled": value, "instance_data_dir": "datasets/kept"})
+    backends = parse_data_backends(entries)
+    assert backends.disabled == [] and [d.id for d in backends.datasets] == ["pics", "kept"]
+
+
+@pytest.mark.parametrize("value", ["", "2", 2, None])
+def test_a_disabled_value_that_is_not_a_yes_or_no_is_refused(make_backends, value):
+    entries = make_backends()
+    entries.append({"id": "kept", "disabled": value, "instance_data_dir": "datasets/kept"})
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[kept].disabled", f"expected true or false, got {value!r}")]
+
+
+def test_a_disabled_entry_without_an_id_is_named_by_position(make_backends):
+    entries = make_backends()
+    entries.append({"disabled": 1, "type": "s3"})
+    assert parse_data_backends(entries).disabled == ["datasets[2]"]
+
+
+def test_an_id_that_cannot_be_a_path_is_named_by_position(make_backends):
+    for ident, path in (("a[b]", "datasets[2].id"), ("x]", "datasets[2].id"), ("pics", "datasets[pics].id")):
+        entries = make_backends(id=ident)
+        entries.append({**entries[0]})
+        assert [(e.path, e.message) for e in errors_of(entries)] == [
+            (path, f"duplicate id {ident!r} (also used by entry 0)")]
+
+
+def test_keys_may_be_written_with_dashes_and_kinds_in_any_case(make_backends):
+    entries = make_backends()
+    entries[0] = {f"--{k}": v for k, v in entries[0].items()}
+    entries[1]["dataset_type"] = " Text_Embeds "
+    backends = parse_data_backends(entries)
+    assert [d.id for d in backends.datasets] == ["pics"] and backends.datasets[0].repeats == 2
+    assert backends.text_embeds.id == "text-embeds" and backends.warnings == []
+
+
+def test_the_british_regularisation_spelling_wins_when_both_are_given(make_backends):
+    backends = parse_data_backends(make_backends(is_regularization_data=True, is_regularisation_data=False))
+    assert backends.datasets[0].is_regularisation_data is False
+    assert backends.warnings == ["datasets[pics].is_regularization_data: unknown key, ignored; did you mean "
+                                 "'is_regularisation_data'?"]
+
+
+def test_an_unsupported_value_is_quoted_as_written(make_backends):
+    assert [(e.path, e.message) for e in errors_of(make_backends(type=" AWS "))] == [
+        ("datasets[pics].type", "' AWS ' is not supported yet; only 'local' backends are supported")]
+    entries = make_backends(caption_strategy="JSONL")
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[pics].caption_strategy", "'JSONL' is not supported yet")]
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda e: e[0].update(crop_style="middle"), ("datasets[pics].crop_style", "'middle' is not one of center, "
+                                                  "random, corner")),
+    (lambda e: e[0].update(type="csv"), ("datasets[pics].type", "'csv' is not supported yet; only 'local' "
+                                         "backends are supported")),
+    (lambda e: e[1].update(write_batch_size=0), ("datasets[text-embeds].write_batch_size", "must be >= 1, got 0")),
+    (lambda e: e[1].update(type="aws"), ("datasets[text-embeds].type", "'aws' is not supported yet; only 'local' "
+                                         "backends are supported")),
+], ids=["bad-image-entry", "unsupported-image-entry", "bad-text-embeds", "unsupported-text-embeds"])
+def test_an_invalid_entry_is_not_also_reported_missing(make_backends, change, expected):
+    """A broken image or text-embeds entry is one error: not also "no enabled image dataset" / "a text_embeds
+    backend is required"."""
+    entries = make_backends()
+    change(entries)
+    assert [(e.path, e.message) for e in errors_of(entries)] == [expected]
+
+
+def test_an_unsupported_dataset_type_is_not_an_image_dataset(make_backends):
+    entries = make_backends(dataset_type="audio")
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[pics].dataset_type", "'audio' is not supported yet"),
+        ("datasets", "no enabled image dataset; add one with dataset_type 'image' (or 'video')")]
+
+
+def test_text_embeds_backends_and_their_default_by_value(make_backends):
+    entries = make_backends()
+    entries.append({"id": "te2", "dataset_type": "text_embeds"})
+    assert parse_data_backends(entries).warnings == [
+        "datasets: 2 text_embeds backends; using the default one, 'text-embeds'"]
+    entries[2]["default"] = True
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets", '2 text_embeds backends (text-embeds, te2) need exactly one with "default": true, found 2')]
+    entries[1]["default"], entries[2]["default"] = False, True
+    assert parse_data_backends(entries).text_embeds.id == "te2"
+
+
+def test_images_are_optional_only_when_asked(make_backends):
+    text_only = make_backends()[1:]
+    assert parse_data_backends(text_only, require_images=False).datasets == []
+    assert [e.path for e in errors_of(text_only)] == ["datasets"]
+
+
+def test_a_resolution_of_zero_from_the_config_is_checked(make_backends):
+    entries = make_backends()
+    del entries[0]["resolution"]
+    assert [(e.path, e.message) for e in errors_of(entries, resolution=0)] == [
+        ("datasets[pics].resolution", "(from the config) must be > 0, got 0")]
+
+
+def test_explicit_defaults_win_over_the_config_and_a_list_has_no_source(make_backends):
+    entries = make_backends()
+    del entries[0]["resolution"], entries[0]["resolution_type"]
+    config = load_train_config({"model_family": "flux", "resolution": 512, "resolution_type": "pixel"}).config
+    backends = load_data_backends(entries, config=config, resolution=768)
+    assert (backends.datasets[0].resolution, backends.datasets[0].resolution_type) == (768, "pixel")
+    backends = load_data_backends(entries, config=config, resolution_type="pixel_area")
+    assert (backends.datasets[0].resolution, backends.datasets[0].resolution_type) == (512, "pixel_area")
+    assert backends.source is None
+
+
+def test_a_reference_error_names_the_file(write_json, make_backends):
+    entries = _paired(make_backends, ["refs"])
+    path = write_json("multidatabackend.json", entries)
+    config = load_train_config({"model_family": "sdxl"}).config
+    with pytest.raises(ConfigError) as info:
+        load_data_backends(path, config=config)
+    assert info.value.source == str(path)
+    assert [e.path for e in info.value.errors] == ["datasets[pics].conditioning_data"]
+    assert load_data_backends(path).source == str(path)
+
+
+def test_the_data_backend_file_beside_a_config(tmp_path):
+    from simpletuner.config import data_backend_beside, found_beside_message
+
+    config = tmp_path / "config.json"
+    assert data_backend_beside(None) is None
+    assert data_backend_beside(config) is None  # nothing beside it
+    (tmp_path / "multidatabackend.json").mkdir()
+    assert data_backend_beside(str(config)) is None  # a folder of that name is not the file
+    (tmp_path / "multidatabackend.json").rmdir()
+    (tmp_path / "multidatabackend.json").write_text("[]")
+    assert data_backend_beside(config) == str(tmp_path / "multidatabackend.json")
+    assert found_beside_message("a/multidatabackend.json", Path("a/config.json")) == (
+        "data_backend_config: not set; using a/multidatabackend.json, found beside a/config.json")
+
+
+def test_a_dataset_field_carries_its_group_and_path_kind():
+    """``_field`` runs while the backend classes are built, once at import; called here directly (the schema route,
+    the web UI's form and simpletuner.config.paths read what it sets)."""
+    from simpletuner.config.data import DatasetBackend, _field
+
+    field = _field(2, "how often each image is seen", "dir", ge=0)
+    assert field.default == 2 and field.description == "how often each image is seen"
+    assert field.json_schema_extra == {"group": "data", "path": "dir"}
+    assert [m.ge for m in field.metadata if hasattr(m, "ge")] == [0]
+    assert _field(None, "x").json_schema_extra == {"group": "data"}  # no path kind: no "path" key
+    assert _field(None, "x", "").json_schema_extra == {"group": "data"}
+    assert DatasetBackend.model_fields["instance_data_dir"].json_schema_extra == {"group": "data", "path": "dir"}
+
+
+def test_an_empty_id_or_one_with_x_in_it_is_named_as_expected(make_backends):
+    entries = make_backends(id="")
+    assert "datasets[0].id" in [e.path for e in errors_of(entries)]  # an empty id: by position
+    entries = make_backends(id="XL-set", crop_style="middle")
+    assert [e.path for e in errors_of(entries)] == ["datasets[XL-set].crop_style"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"id": "pics"}, "expected a JSON list of backends, got an object"),
+    (5, "expected a JSON list of backends, got 5"),
+    ("pics", "expected a JSON list of backends, got 'pics'"),
+])
+def test_a_file_that_is_not_a_list_names_the_file(write_json, content, message):
+    path = write_json("multidatabackend.json", content)
+    with pytest.raises(ConfigError) as info:
+        load_data_backends(path)
+    assert info.value.source == str(path)
+    assert [(e.path, e.message) for e in info.value.errors] == [("datasets", message)]
+
+
+def test_every_entry_is_checked_after_one_that_is_not_an_object(make_backends):
+    entries = make_backends(crop_style="middle")
+    entries.insert(0, "pics")
+    assert [e.path for e in errors_of(entries)] == ["datasets[0]", "datasets[pics].crop_style"]
+
+
+def test_conditioning_errors_by_whole_message(make_backends):
+    entries = make_backends(conditioning_data=["refs"])
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[pics].conditioning_data", "'refs' is not a dataset id (conditioning and mask datasets: none)")]
+    entries = _paired(make_backends, ["refs", "refs2"], {"id": "refs2", "dataset_type": "conditioning",
+                                                         "instance_data_dir": "x"})
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[pics].conditioning_data", "'refs' and 'refs2' are both conditioning datasets; one of each kind "
+                                             "per dataset is supported")]
+
+
+def test_an_id_that_is_not_text_is_one_error_per_entry_not_a_duplicate(make_backends):
+    entries = make_backends(id=7)
+    entries.append({**entries[0]})
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[0].id", "expected a string, got 7"), ("datasets[2].id", "expected a string, got 7")]

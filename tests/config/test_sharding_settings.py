@@ -38,7 +38,7 @@ def test_simpletuner_spellings():
     ({"deepspeed_config": {"zero_optimization": {"stage": 5}}}, "deepspeed_config",
      "zero_optimization.stage: 5 is not a ZeRO stage"),
     ({"deepspeed_config": {"zero_optimization": 2}}, "deepspeed_config", "zero_optimization: expected an object"),
-    ({"deepspeed_config": "[1, 2]"}, "deepspeed_config", "file '[1, 2]' not found"),
+    ({"deepspeed_config": "[1, 2]"}, "deepspeed_config", "expected a JSON object, got list"),
     ({"deepspeed_config": {"optimizer": {"type": "Adam"}}}, "deepspeed_config",
      "optimizer: the trainer builds its own from the config's optimizer"),
     ({"deepspeed_config": {"scheduler": {"type": "WarmupLR"}}}, "deepspeed_config", "config's lr_scheduler"),
@@ -87,3 +87,21 @@ def test_devices_and_packages():
     assert "trains in fp32" in device_errors(fsdp_bf16, "cpu")[0].message
     assert device_errors(fsdp_bf16, "cuda") == []
     assert device_errors(flux_config(fsdp_enable=True).__dict__, "cpu") == []
+
+
+def test_a_sharded_run_alone_is_accepted_and_each_refusal_says_why():
+    assert flux_config(fsdp_enable=True).fsdp_enable
+    assert flux_config(deepspeed_config={"zero_optimization": {"stage": 2}}).deepspeed_config is not None
+    # use_ema False is "off", not a value to refuse
+    assert flux_config(fsdp_enable=True, use_ema=False, compile=False, lora_type="standard").fsdp_enable
+    both = _errors(fsdp_enable=True, deepspeed_config={"zero_optimization": {"stage": 2}})
+    assert both == {"deepspeed_config": "cannot be combined with fsdp_enable; choose one"}
+    assert _errors(deepspeed_config={}, use_ema=True) == {
+        "use_ema": "cannot be combined with deepspeed_config yet: the EMA would average one process's shard only"}
+    assert _errors(fsdp_enable=True, base_model_precision="int8-quanto") == {
+        "base_model_precision": "'int8-quanto' cannot be combined with fsdp_enable: quantized weights cannot be "
+                                "sharded here; use no_change"}
+    assert _errors(fsdp_enable=True, lora_type="lycoris", lycoris_config={"algo": "lokr"}) == {
+        "lora_type": "'lycoris' cannot be combined with fsdp_enable yet; use 'standard'"}
+    # a full fine-tune has no lora_type to refuse, whatever the field holds
+    assert flux_config(fsdp_enable=True, model_type="full").model_type == "full"

@@ -15,9 +15,10 @@ from simpletuner.config import (
     load_train_config,
     resolve_tread_routes,
 )
+from simpletuner.config import paths
 from simpletuner.config.errors import loc_to_path
 from simpletuner.config.families import FAMILIES, PLANNED_FAMILIES, family_names
-from simpletuner.config.train import check_train_paths
+from simpletuner.config.train import TreadConfig, check_train_paths, flavour_path_errors, is_local
 
 
 def load(**values) -> TrainConfig:
@@ -271,6 +272,38 @@ def test_tread_overlapping_windows():
     assert "overlap route 0" in errors[0].message
 
 
+@pytest.mark.parametrize("routes, errors", [
+    # windows that share one layer overlap; neighbours do not
+    ([(0, 3), (3, 5)], ["tread_config.routes[1]: layers 3..5 overlap route 0 (0..3)"]),
+    ([(0, 3), (4, 5)], []),
+    ([(4, 5), (0, 3)], []),
+    ([(2, 2), (2, 2)], ["tread_config.routes[1]: layers 2..2 overlap route 0 (2..2)"]),
+    # every pair is compared: the third overlaps both earlier ones
+    ([(0, 1), (5, 6), (1, 5)], ["tread_config.routes[2]: layers 1..5 overlap route 0 (0..1)",
+                                "tread_config.routes[2]: layers 1..5 overlap route 1 (5..6)"]),
+    # negative windows compare with each other as they are
+    ([(-4, -2), (-3, -1)], ["tread_config.routes[1]: layers -3..-1 overlap route 0 (-4..-2)"]),
+    ([(-1, -3)], ["tread_config.routes[0].end_layer_idx: -3 is before start_layer_idx -1; the window is reversed"]),
+    # a reversed window is reported once, as reversed, not also as an overlap
+    ([(0, 4), (6, 2)], ["tread_config.routes[1].end_layer_idx: 2 is before start_layer_idx 6; the window is reversed"]),
+    # a mixed-sign window waits for the model's depth: neither reversed nor overlapping yet
+    ([(5, -8), (0, 9)], []),
+    ([(0, 3), (-2, 1)], []),
+    ([(0, -1)], []),  # the whole model: 0 counts as non-negative
+    # one index of the pair of a different sign from the other three: wait for the depth
+    ([(-5, 3), (1, 4)], []),
+    ([(-5, 3), (-4, -2)], []),
+    ([(1, 4), (-5, 3)], []),
+    ([(-4, -2), (-5, 3)], []),
+])
+def test_tread_windows_compared_before_the_depth_is_known(routes, errors):
+    given = {"routes": [route(0.5, a, b) for a, b in routes]}
+    if errors:
+        assert [str(e) for e in errors_of(tread_config=given)] == errors
+    else:
+        assert len(load(tread_config=given).tread_config.routes) == len(routes)
+
+
 def test_tread_windows_with_mixed_signs_wait_for_the_depth():
     # 2..-2 and 5..8 overlap or not depending on the depth: only resolve_tread_routes can say.
     config = load(tread_config={"routes": [route(0.5, 2, -2), route(0.5, -8, -5)]})
@@ -294,6 +327,17 @@ def test_resolve_tread_routes_before_the_first_layer():
         resolve_tread_routes([route(0.5, -30, 3)], 19)
     assert info.value.errors[0].path == "tread_config.routes[0].start_layer_idx"
     assert "before the first layer" in info.value.errors[0].message
+
+
+def test_resolve_tread_routes_without_routes_names_the_field():
+    for empty in ([], TreadConfig.model_construct(routes=[])):
+        with pytest.raises(ConfigError) as info:
+            resolve_tread_routes(empty, 19)
+        assert info.value.errors == [FieldError("tread_config.routes",
+                                                "TREAD training requires you to configure the routes")]
+    with pytest.raises(ConfigError) as info:
+        resolve_tread_routes([], 19, path="student.tread_config.routes")
+    assert [e.path for e in info.value.errors] == ["student.tread_config.routes"]
 
 
 def test_resolve_tread_routes_overlap_after_resolving():
@@ -320,6 +364,85 @@ def test_webhook_json_string_and_file(tmp_path):
     assert load(webhook_config=str(path)).webhook_config[0].callback_url.startswith("https://")
     errors = errors_of(webhook_config=str(tmp_path / "missing.json"))
     assert errors[0].path == "webhook_config" and "not found" in errors[0].message
+
+
+def test_webhook_file_in_a_server_job_must_resolve_inside_its_roots(tmp_path, monkeypatch):
+    """A server's job reads webhook_config's file only inside the allowed roots, checked as it is read (a link swapped
+    in after the server's own check is caught here), as lycoris_config and deepspeed_config are."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    hook = json.dumps({"webhook_type": "raw", "callback_url": "https://example.test/hook"})
+    (root / "hooks.json").write_text(hook)
+    (outside / "hooks.json").write_text(hook)
+    (root / "link.json").symlink_to(outside / "hooks.json")
+    monkeypatch.setenv(paths.ROOTS_ENV, json.dumps([str(root)]))
+    monkeypatch.chdir(root)
+    assert load(webhook_config="hooks.json").webhook_config[0].callback_url == "https://example.test/hook"
+    for name in ("link.json", str(outside / "hooks.json"), "../outside/hooks.json"):
+        errors = errors_of(webhook_config=name)
+        assert [e.path for e in errors] == ["webhook_config"] and "resolves to" in errors[0].message, name
+    assert load(webhook_config=hook).webhook_config[0].webhook_type == "raw"  # inline JSON is no file
+    monkeypatch.delenv(paths.ROOTS_ENV)
+    assert len(load(webhook_config=str(outside / "hooks.json")).webhook_config) == 1  # the user's own run
+
+
+def test_webhook_file_that_is_not_json_names_the_file_and_the_place(tmp_path):
+    path = tmp_path / "hooks.json"
+    path.write_text('{"webhook_type": "raw",\n "callback_url": }')
+    errors = errors_of(webhook_config=str(path))
+    assert errors[0].path == "webhook_config"
+    assert errors[0].message.endswith(f"{path}: not valid JSON (line 2, column 18)")
+    errors = errors_of(webhook_config='[{"webhook_type": "raw"')
+    assert errors[0].path == "webhook_config" and "is not valid JSON" in errors[0].message
+
+
+# --- optimizer_config: SimpleTuner's key=value text ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("d_coef=0.1", {"d_coef": 0.1}),
+    (" d_coef = 2 , weight_decay=0.01 ", {"d_coef": 2, "weight_decay": 0.01}),
+    ("betas=(0.9,0.99),eps=1e-8", {"betas": [0.9, 0.99], "eps": 1e-8}),
+    ("betas=[0.9, 0.99, ]", {"betas": [0.9, 0.99]}),
+    ("nested=((1,2),3)", {"nested": [[1, 2], 3]}),
+    ("a=1,,b=2,", {"a": 1, "b": 2}),
+    ("decouple=TRUE,amsgrad=false ,foreach=None,fused=null", {"decouple": True, "amsgrad": False,
+                                                               "foreach": None, "fused": None}),
+    ("schedule=warmup_stable_decay,name=(x", {"schedule": "warmup_stable_decay", "name": "(x"}),
+    ("ratio=x)", {"ratio": "x)"}),
+    ("k=-3", {"k": -3}),
+    ("path=a=b", {"path": "a=b"}),  # the first '=' splits
+    ("name=AdamX,eps=1e-8", {"name": "AdamX", "eps": 1e-8}),  # letters never open or close a bracket
+    ('{"betas": [0.9, 0.99], "eps": 1e-8}', {"betas": [0.9, 0.99], "eps": 1e-8}),
+])
+def test_optimizer_config_text(text, parsed):
+    value = load(optimizer_config=text).optimizer_config
+    assert value == parsed
+    # 2 stays an int and 2.0 a float: an optimizer may check the type of a count
+    assert [type(v) for v in value.values()] == [type(v) for v in parsed.values()]
+
+
+def test_optimizer_config_as_a_mapping_or_empty():
+    given = {"d_coef": 0.5}
+    config = load(optimizer_config=given)
+    assert config.optimizer_config == {"d_coef": 0.5} and config.optimizer_config is not given  # a copy
+    for empty in ("", "   ", None):
+        assert load(optimizer_config=empty).optimizer_config is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("d_coef", "'d_coef' is not key=value (e.g. 'd_coef=0.1,weight_decay=0.01')"),
+    ("=0.1", "'=0.1' is not key=value"),
+    (" =0.1", "'=0.1' is not key=value"),
+    ("d_coef=", "d_coef has no value"),
+    ("a=1, d_coef = ,b=2", "d_coef has no value"),
+    ('{"d_coef": 0.1', "is not valid JSON: Expecting ',' delimiter at column 15"),
+    (3, "expected 'key=value,key=value' or an object, got 3"),
+])
+def test_optimizer_config_errors_name_the_bad_item(value, message):
+    errors = errors_of(optimizer_config=value)
+    assert [e.path for e in errors] == ["optimizer_config"]
+    assert message in errors[0].message
 
 
 def test_validation_resolutions():
@@ -356,6 +479,22 @@ def test_every_field_has_a_description_and_a_group_the_form_shows():
 # --- families and errors --------------------------------------------------------------------------------------
 
 
+def test_a_field_carries_its_group_and_extra_schema_keys():
+    """``_field`` runs while TrainConfig's class body is executed, once at import; called here directly so that what
+    it builds is checked (the schema route and the web UI's form read these keys)."""
+    from simpletuner.config.train import GROUPS, _field
+
+    field = _field(3, "lora", "rank of the adapter", ge=1, extra={"enum": [1, 2, 3]})
+    assert field.default == 3 and field.description == "rank of the adapter"
+    assert field.json_schema_extra == {"group": "lora", "enum": [1, 2, 3]}
+    assert [m.ge for m in field.metadata if hasattr(m, "ge")] == [1]
+    assert _field(None, "model", "x").json_schema_extra == {"group": "model"}
+    with pytest.raises(AssertionError, match="no-such-group"):
+        _field(None, "no-such-group", "x")
+    assert TrainConfig.model_fields["model_type"].json_schema_extra == {"group": "model"}
+    assert set(GROUPS) >= {f.json_schema_extra["group"] for f in TrainConfig.model_fields.values()}
+
+
 def test_family_table():
     flux = get_family("flux")
     assert flux.default_flavour == "krea"
@@ -385,6 +524,78 @@ def test_check_train_paths(tmp_path):
     (tmp_path / "prompts.json").write_text("{}")
     assert not any(w.startswith("user_prompt_library") for w in check_train_paths(config, cwd=tmp_path))
     assert check_train_paths(load(), cwd=tmp_path) == []  # a Hub id is not a local path
+
+
+@pytest.mark.parametrize("value, local", [
+    ("black-forest-labs/FLUX.1-dev", False),  # a Hub repo id: owner/name
+    ("flux", False),
+    ("owner/name/sub", True),  # more than one '/'
+    ("/abs/models/flux", True),
+    ("/flux", True),
+    ("./flux", True),
+    ("../flux", True),
+    ("~/flux", True),
+    (".\\flux", True),
+    ("models\\flux", True),
+])
+def test_is_local_tells_a_path_from_a_hub_id(value, local, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert is_local(value) is local
+
+
+def test_is_local_is_true_for_any_existing_file_or_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert not is_local("owner/name")
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    assert is_local("owner/name") and is_local("owner")  # exists here, so a local folder, not a repo id
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert is_local("~")
+
+
+def test_check_train_paths_names_each_missing_path_relative_to_the_given_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    project = tmp_path / "project"
+    (project / "models" / "vae").mkdir(parents=True)
+    (project / "lora.safetensors").write_bytes(b"")
+    config = load(user_prompt_library=str(tmp_path / "absent.json"), init_lora="lora.safetensors",
+                  pretrained_model_name_or_path="./models/flux", pretrained_vae_model_name_or_path="./models/vae",
+                  pretrained_transformer_model_name_or_path="owner/transformer")
+    assert check_train_paths(config, cwd=project) == [
+        f"user_prompt_library: file {str(tmp_path / 'absent.json')!r} does not exist",
+        "pretrained_model_name_or_path: folder './models/flux' does not exist (and is not a Hugging Face repo id)",
+    ]
+    monkeypatch.chdir(project)  # the default folder is the working directory
+    assert [w.split(":")[0] for w in check_train_paths(config)] == ["user_prompt_library",
+                                                                    "pretrained_model_name_or_path"]
+    monkeypatch.setenv("HOME", str(project))
+    assert check_train_paths(load(init_lora="~/lora.safetensors"), cwd=tmp_path) == []  # ~ is the user's home
+    assert check_train_paths(load(init_lora="~/gone.safetensors"), cwd=tmp_path) == [
+        "init_lora: file '~/gone.safetensors' does not exist"]
+
+
+def test_a_tiny_flavour_with_other_weights_is_a_contradiction(tmp_path):
+    (tmp_path / "vae").mkdir()
+    assert flavour_path_errors(load(model_flavour="tiny", pretrained_model_name_or_path=None,
+                                    pretrained_vae_model_name_or_path=str(tmp_path / "vae"))) == []
+    errors = flavour_path_errors(load(model_flavour="tiny", pretrained_model_name_or_path="owner/flux",
+                                      pretrained_transformer_model_name_or_path="owner/transformer",
+                                      pretrained_vae_model_name_or_path=str(tmp_path / "vae")))
+    assert [e.path for e in errors] == ["pretrained_model_name_or_path", "pretrained_transformer_model_name_or_path"]
+    assert errors[0].message == (
+        "model_flavour 'tiny' is a small model generated on this machine, and pretrained_model_name_or_path names the "
+        "Hub model 'owner/flux', whose weights do not belong to it; set pretrained_model_name_or_path to null for "
+        "'tiny', or set model_flavour to the flavour of those weights")
+    # the base model path names the weights whatever it is: a local folder too
+    local = flavour_path_errors(load(model_flavour="tiny", pretrained_model_name_or_path=str(tmp_path / "vae"),
+                                     pretrained_vae_model_name_or_path=None))
+    assert [e.path for e in local] == ["pretrained_model_name_or_path"]
+    assert f"names the local folder {str(tmp_path / 'vae')!r}" in local[0].message
+    # with no base model path, the transformer's is still checked
+    alone = flavour_path_errors(load(model_flavour="tiny", pretrained_model_name_or_path=None,
+                                     pretrained_transformer_model_name_or_path="owner/transformer"))
+    assert [e.path for e in alone] == ["pretrained_transformer_model_name_or_path"]
+    # a flavour with real weights: the paths are the user's to choose
+    assert flavour_path_errors(load(model_flavour="krea", pretrained_model_name_or_path="owner/flux")) == []
 
 
 def test_tiny_flavours_are_the_locally_written_ones():

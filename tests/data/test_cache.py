@@ -32,10 +32,10 @@ class CountingAdapter:
         return [TextEmbedding({"prompt_embeds": torch.full((2, 3), float(len(p)))}) for p in prompts]
 
 
-def make_sample(path, size=(64, 64)):
+def make_sample(path, size=(64, 64), color=(10, 20, 30)):
     from PIL import Image
 
-    Image.new("RGB", size, (10, 20, 30)).save(path)
+    Image.new("RGB", size, color).save(path)
     st = os.stat(path)
     return Sample("ds", str(path), "cap", size, size, (0, 0, *size), file_size=st.st_size, mtime_ns=st.st_mtime_ns)
 
@@ -264,8 +264,111 @@ def test_a_bucket_of_only_unreadable_images_does_not_stop_the_next_bucket(tmp_pa
     good = make_sample(tmp_path / "good.png", (96, 64))
     bad_file = make_sample(tmp_path / "bad.png", (64, 64))
     (tmp_path / "bad.png").write_bytes(b"not a png")
-    unreadable = []
+    unreadable, progress = [], []
     adapter = BatchRecordingAdapter()
     assert fill_latent_cache({str(tmp_path / "c"): [good, bad_file]}, adapter, 4, show_progress=False,
-                             unreadable=unreadable) == 1
+                             unreadable=unreadable, on_progress=lambda *done_total: progress.append(done_total)) == 1
     assert adapter.batches == [(1, 3, 64, 96)] and [s.path for s, _ in unreadable] == [bad_file.path]
+    assert progress == [(2, 2)]  # the unreadable file counts as done: progress reaches its total
+
+
+def test_each_entry_holds_its_own_samples_latent_and_each_batch_is_reported(tmp_path):
+    from simpletuner.data.discovery import load_pixels
+
+    adapter = CountingAdapter()
+    samples = [make_sample(tmp_path / f"{i}.png", color=(40 * i, 20, 30)) for i in range(5)]
+    progress, saved = [], []
+    assert fill_latent_cache({str(tmp_path / "c"): samples}, adapter, 2, show_progress=False,
+                             on_progress=lambda done, total: progress.append((done, total)),
+                             on_saved=saved.append) == 5
+    assert progress == [(2, 5), (4, 5), (5, 5)]
+    keys = [latent_key(s, "vae-v1") for s in samples]
+    assert sorted(saved) == sorted(keys) and len(set(keys)) == 5
+    cache = TensorCache(tmp_path / "c")
+    for sample, key in zip(samples, keys):  # batched, yet every file holds the latent of its own sample
+        assert torch.equal(cache.load(key)["latents"], adapter.encode_images(load_pixels(sample)[None])[0])
+
+
+def test_a_sample_in_two_caches_is_written_to_each(tmp_path):
+    sample = make_sample(tmp_path / "a.png")
+    adapter = CountingAdapter()
+    folders = [str(tmp_path / "one"), str(tmp_path / "two")]
+    assert fill_latent_cache({f: [sample] for f in folders}, adapter, 4, show_progress=False) == 2
+    assert all(TensorCache(f).has(latent_key(sample, "vae-v1")) for f in folders)
+
+
+def test_reference_latents_are_encoded_by_the_reference_encoder_under_its_identity(tmp_path):
+    class ReferenceAdapter(CountingAdapter):
+        def reference_cache_identity(self):
+            return "ref-v1"
+
+        def encode_references(self, pixels):
+            return torch.full((len(pixels), 2, 2), 7.0)
+
+    sample = make_sample(tmp_path / "ref.png")
+    adapter = ReferenceAdapter()
+    assert fill_latent_cache({str(tmp_path / "c"): [sample]}, adapter, 4, show_progress=False, references=True) == 1
+    assert adapter.images == 0  # not the VAE's latent-cache entries
+    cache = TensorCache(tmp_path / "c")
+    assert not cache.has(latent_key(sample, "vae-v1"))
+    assert torch.equal(cache.load(latent_key(sample, "ref-v1"))["latents"], torch.full((2, 2), 7.0))
+
+
+def test_ranks_share_the_latent_and_mask_entries_without_overlap(tmp_path):
+    from simpletuner.data.cache import fill_mask_cache, mask_key
+
+    samples = [make_sample(tmp_path / f"{i}.png", color=(40 * i, 0, 0)) for i in range(5)]
+    folder = str(tmp_path / "c")
+    saved = {rank: [] for rank in (0, 1)}
+    counts = [fill_latent_cache({folder: samples}, CountingAdapter(), 2, show_progress=False, shard=(rank, 2),
+                                on_saved=saved[rank].append) for rank in (0, 1)]
+    assert counts == [3, 2] and not set(saved[0]) & set(saved[1])
+    assert set(saved[0]) | set(saved[1]) == {latent_key(s, "vae-v1") for s in samples}
+    assert fill_latent_cache({folder: samples}, CountingAdapter(), 2, show_progress=False) == 0  # all there
+    fresh = str(tmp_path / "fresh")  # shares are cut before cached entries are left out
+    fill_latent_cache({fresh: samples[1:2]}, CountingAdapter(), 2, show_progress=False)
+    assert [fill_latent_cache({fresh: samples}, CountingAdapter(), 2, show_progress=False, shard=(rank, 2))
+            for rank in (0, 1)] == [3, 1]
+    masks = str(tmp_path / "masks")
+    assert [fill_mask_cache({masks: samples}, 8, show_progress=False, shard=(rank, 2)) for rank in (0, 1)] == [3, 2]
+    assert all(TensorCache(masks).has(mask_key(s, 8)) for s in samples)
+
+
+class PromptRecordingAdapter(CountingAdapter):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def encode_prompts(self, prompts):
+        self.calls.append(list(prompts))
+        return super().encode_prompts(prompts)
+
+
+def test_captions_are_encoded_once_in_batches_each_under_its_own_key(tmp_path):
+    adapter, cache = PromptRecordingAdapter(), TensorCache(tmp_path)
+    captions = ["ccc", "a", "eeeee", "a", "bb", "dddd"]
+    progress = []
+    assert fill_text_cache(captions, adapter, cache, 2, show_progress=False,
+                           on_progress=lambda done, total: progress.append((done, total))) == 5
+    assert adapter.calls == [["a", "bb"], ["ccc", "dddd"], ["eeeee"]]  # by caption, batch_size at a time
+    assert progress == [(2, 5), (4, 5), (5, 5)]
+    for caption in set(captions):  # the stand-in encoder fills a caption's embedding with its length
+        assert cache.load(text_key(caption, "te-v1"))["prompt_embeds"][0, 0] == len(caption)
+    assert fill_text_cache(captions + ["ffffff"], adapter, cache, 2, show_progress=False) == 1
+    assert adapter.calls[-1] == ["ffffff"]
+
+
+def test_ranks_share_the_captions_without_overlap(tmp_path):
+    captions = ["a", "bb", "ccc", "dddd", "eeeee"]
+    adapters = [PromptRecordingAdapter() for _ in range(2)]
+    cache = TensorCache(tmp_path)
+    assert [fill_text_cache(captions, adapters[rank], cache, 8, show_progress=False, shard=(rank, 2))
+            for rank in (0, 1)] == [3, 2]
+    assert adapters[0].calls == [["a", "ccc", "eeeee"]] and adapters[1].calls == [["bb", "dddd"]]
+    # shares are cut before the cached captions are left out: an entry already there does not move another's share
+    cache = TensorCache(tmp_path / "fresh")
+    fill_text_cache(["bb"], PromptRecordingAdapter(), cache, 8, show_progress=False)
+    adapters = [PromptRecordingAdapter() for _ in range(2)]
+    assert [fill_text_cache(captions, adapters[rank], cache, 8, show_progress=False, shard=(rank, 2))
+            for rank in (0, 1)] == [3, 1]
+    assert adapters[0].calls == [["a", "ccc", "eeeee"]] and adapters[1].calls == [["dddd"]]

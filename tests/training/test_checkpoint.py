@@ -270,7 +270,7 @@ for step in (5, 10):
 """
     env = {**os.environ, "SIMPLETUNER_FAILPOINT": "checkpoint.save:10",
            "SIMPLETUNER_FAILPOINT_ONCE": str(tmp_path / "fired")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr
     assert (tmp_path / ".checkpoint-10.tmp").is_dir() and not (tmp_path / "checkpoint-10").exists()
     assert [p.name for p in ckpt.remove_incomplete(tmp_path)] == [".checkpoint-10.tmp"]
@@ -311,3 +311,205 @@ def test_extra_networks_and_states_round_trip_and_a_missing_one_is_named(tmp_pat
     with pytest.raises(ValueError, match="not a plain lowercase name"):
         ckpt.save_checkpoint(tmp_path, _state(4), trainable={}, optimizer=opt, lr_scheduler=sched, total_limit=None,
                              extra_states={"optimizer": {}})
+
+
+# ---- edges the mutation run found unguarded (docs/testing.md) ------------------------------------------------
+def test_python_and_numpy_random_continue_where_they_were_saved(tmp_path):
+    """Every process's Python and NumPy RNG come back too (data order and augmentation draw from them)."""
+    import random
+
+    import numpy as np
+
+    model, opt, sched = _parts()
+    random.seed(11)
+    np.random.seed(12)
+    random.random(), np.random.normal()  # a cached Gaussian in NumPy's state, too
+    path = _save(tmp_path, 5, model, opt, sched)
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(3), np.random.normal())
+    random.seed(0)
+    np.random.seed(0)
+    ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)
+    got = (random.random(), random.gauss(0, 1), np.random.rand(3), np.random.normal())
+    assert got[:2] == expected[:2] and np.array_equal(got[2], expected[2]) and got[3] == expected[3]
+
+
+def test_checkpoints_sort_by_step_number_not_by_name(tmp_path):
+    model, opt, sched = _parts()
+    for step in (9, 100, 20):
+        _save(tmp_path, step, model, opt, sched)
+    (tmp_path / "checkpoint-7").write_text("a file, not a checkpoint folder")
+    (tmp_path / "checkpoint-x").mkdir()
+    (tmp_path / "checkpoint-300\n").mkdir()  # not ours: rotation must never delete it
+    (tmp_path / "checkpoint-300\n" / "training_state.json").write_text("{}")
+    (tmp_path / "not-checkpoint-500").mkdir()
+    (tmp_path / "not-checkpoint-500" / "training_state.json").write_text("{}")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-9", "checkpoint-20", "checkpoint-100"]
+    assert ckpt.resolve_resume(tmp_path, "latest").name == "checkpoint-100"
+    assert ckpt.resolve_resume(tmp_path, "") is None and ckpt.resolve_resume(tmp_path, None) is None
+    assert ckpt.resume(tmp_path, None, _state(0), optimizer=opt, lr_scheduler=sched) is None
+    _save(tmp_path, 5, model, opt, sched)
+    ckpt.save_checkpoint(tmp_path, _state(200), trainable=dict(model.named_parameters()), optimizer=opt,
+                         lr_scheduler=sched, total_limit=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-100", "checkpoint-200"]
+    assert (tmp_path / "checkpoint-300\n").is_dir()
+
+
+def test_remove_incomplete_keeps_everything_else(tmp_path, caplog):
+    assert ckpt.remove_incomplete(tmp_path / "missing") == []
+    for name in ("checkpoint-5", ".checkpoint-6", ".checkpoint-x.tmp", "checkpoint-7.tmp", ".other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".checkpoint-8.tmp").write_text("a file")
+    (tmp_path / ".checkpoint-9.tmp").mkdir()
+    with caplog.at_level("WARNING", logger="simpletuner.checkpoint"):
+        assert [p.name for p in ckpt.remove_incomplete(tmp_path)] == [".checkpoint-9.tmp"]
+    assert caplog.messages == [f"removed {tmp_path / '.checkpoint-9.tmp'}, left by a crash during a checkpoint save"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".checkpoint-6", ".checkpoint-8.tmp", ".checkpoint-x.tmp", ".other", "checkpoint-5", "checkpoint-7.tmp"]
+
+
+def test_a_relative_checkpoint_is_read_from_the_working_dir_first(tmp_path, monkeypatch):
+    model, opt, sched = _parts()
+    here, out = tmp_path / "here", tmp_path / "out"
+    _save(here, 5, model, opt, sched)
+    _save(out, 5, model, opt, sched)
+    _save(out, 6, model, opt, sched)
+    monkeypatch.chdir(here)
+    assert ckpt.resolve_resume(out, "checkpoint-5") == ckpt.Path("checkpoint-5")  # the one in the working dir
+    assert ckpt.resolve_resume(out, "checkpoint-6") == out / "checkpoint-6"  # not there: output_dir's
+    assert ckpt.resolve_resume(here, str(out / "checkpoint-6")) == out / "checkpoint-6"
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    model, opt, sched = _parts()
+    _save(tmp_path, 5, model, opt, sched, seed=1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    path = _save(tmp_path, 5, model, opt, sched, seed=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-5"]
+    assert torch.equal(ckpt.load_file(path / "trainable.safetensors")["weight"], model.weight.detach())
+
+
+def test_a_save_that_fails_leaves_nothing_behind(tmp_path):
+    model, opt, sched = _parts()
+
+    def fails(folder):
+        assert (folder / "scheduler.pt").is_file() and folder.name == ".checkpoint-5.tmp"
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path, _state(5), trainable=dict(model.named_parameters()), optimizer=opt,
+                             lr_scheduler=sched, total_limit=None, extra=fails)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extra_files_are_published_with_the_checkpoint(tmp_path):
+    model, opt, sched = _parts()
+    path = ckpt.save_checkpoint(tmp_path, _state(5), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None,
+                                extra=lambda folder: (folder / "pytorch_lora_weights.safetensors").write_text("x"))
+    assert (path / "pytorch_lora_weights.safetensors").read_text() == "x"
+
+
+@pytest.mark.parametrize("name", ["optimizer", "scheduler", "rng", "ema", "trainable", "Critic", "1critic",
+                                  "critic-opt", "../critic", "", "critic\n"])
+def test_part_names_must_be_plain_and_their_own(tmp_path, name):
+    model, opt, sched = _parts()
+    for kwargs in ({"extra_states": {name: {}}}, {"extra_trainable": {name: {}}}):
+        with pytest.raises(ValueError, match="not a plain lowercase name of its own"):
+            ckpt.save_checkpoint(tmp_path, _state(4), trainable={}, optimizer=opt, lr_scheduler=sched,
+                                 total_limit=None, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+    ckpt.save_checkpoint(tmp_path, _state(4), trainable={}, optimizer=opt, lr_scheduler=sched, total_limit=None,
+                         extra_states={"critic_2": {}})
+
+
+class _Ema:
+    def __init__(self):
+        self.loaded = None
+
+    def load_state_dict(self, state, source):
+        self.loaded = (state, source)
+
+
+def test_the_ema_round_trips_and_is_only_restored_when_asked(tmp_path):
+    model, opt, sched = _parts()
+    ema_state = {"shadow_params": [torch.ones(2, 3)], "optimization_step": 7}
+    path = ckpt.save_checkpoint(tmp_path, _state(5), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None, ema_state=ema_state)
+    ema = _Ema()
+    ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched, ema=ema)
+    state, source = ema.loaded
+    assert state["optimization_step"] == 7 and torch.equal(state["shadow_params"][0], torch.ones(2, 3))
+    assert source == str(path / "ema.pt")
+    ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched)  # no ema: nothing to restore into
+    plain = _save(tmp_path, 6, model, opt, sched)
+    assert not (plain / "ema.pt").exists()
+    ema = _Ema()
+    ckpt.load_checkpoint(plain, _state(0), optimizer=opt, lr_scheduler=sched, ema=ema)
+    assert ema.loaded is None
+    (path / "ema.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointDamaged, match="ema.pt"):
+        ckpt.load_checkpoint(path, _state(0), optimizer=opt, lr_scheduler=sched, ema=_Ema())
+
+
+@pytest.mark.parametrize("content", ['{"epoch": 0, "batch_in_epoch": 0}', '{"global_step": "x", "epoch": 0, '
+                                     '"batch_in_epoch": 0}', '{"global_step": 1, "batch_in_epoch": 0}',
+                                     '{"global_step": 1, "epoch": 0}', '{"global_step": null, "epoch": 0, '
+                                     '"batch_in_epoch": 0}', '[]'])
+def test_a_training_state_without_its_position_is_damaged(tmp_path, content):
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched)
+    (path / "training_state.json").write_text(content)
+    with pytest.raises(ckpt.CheckpointDamaged, match="training_state.json: empty or damaged"):
+        ckpt.read_training_state(path)
+    (path / "training_state.json").unlink()
+    with pytest.raises(ckpt.CheckpointDamaged, match="training_state.json: empty or damaged"):
+        ckpt.read_training_state(path)
+
+
+def test_a_checkpoint_from_before_world_size_was_recorded_is_one_process(tmp_path):
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched)
+    meta = json.loads((path / "training_state.json").read_text())
+    del meta["world_size"]
+    (path / "training_state.json").write_text(json.dumps(meta))
+    state = _state(0)
+    assert torch.equal(ckpt.load_checkpoint(path, state, optimizer=opt, lr_scheduler=sched)["weight"],
+                       model.weight.detach())
+    assert state.global_step == 5
+
+
+def test_a_later_rank_reads_its_own_rng_and_every_file_is_named_when_missing(tmp_path):
+    parts, states = _save_as_ranks(tmp_path, world=2, sharded=False)
+    path = tmp_path / "checkpoint-4"
+    saved = ckpt.load_pt(path / "rng-rank1.pt")
+    resumed = _state(0, seed=99)
+    ckpt.load_checkpoint(path, resumed, optimizer=_parts()[1], lr_scheduler=_parts()[2], rank=1, world_size=2)
+    assert torch.equal(resumed.generator.get_state(), saved["generator"])
+    assert not torch.equal(saved["generator"], ckpt.load_pt(path / "rng.pt")["generator"])
+    for name in ("trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank1.pt"):
+        moved = path / name
+        moved.rename(tmp_path / name)
+        with pytest.raises(ckpt.CheckpointDamaged, match=f"{moved}"):
+            ckpt.read_checkpoint(path, rank=0, world_size=2)
+        (tmp_path / name).rename(moved)
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"optimizer.pt: cannot be read safely \(\w+"):
+        (path / "optimizer.pt").write_bytes(b"not a zip")
+        ckpt.read_checkpoint(path)
+
+
+def test_a_damaged_extra_network_is_named(tmp_path):
+    model, opt, sched = _parts()
+    critic, _, _ = _parts(seed=4)
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=dict(model.named_parameters()), optimizer=opt,
+                                lr_scheduler=sched, total_limit=None,
+                                extra_trainable={"critic": dict(critic.named_parameters())})
+    read = ckpt.read_checkpoint(path, extra_trainable=("critic",))
+    assert torch.equal(read["extra_trainable"]["critic"]["bias"], critic.bias.detach())
+    assert "critic" not in ckpt.read_checkpoint(path)["extra_trainable"]
+    _truncate(path / "trainable-critic.safetensors")
+    with pytest.raises(ckpt.CheckpointDamaged, match="trainable-critic.safetensors: damaged"):
+        ckpt.read_checkpoint(path, extra_trainable=("critic",))
+    (path / "trainable-critic.safetensors").unlink()
+    with pytest.raises(ckpt.CheckpointDamaged, match="trainable-critic.safetensors: missing"):
+        ckpt.read_checkpoint(path, extra_trainable=("critic",))

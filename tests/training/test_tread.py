@@ -424,3 +424,141 @@ def test_joint_sequence_routing_is_off_outside_training():
         plain = model(image, text, mask)
         apply_tread(model, [route(0.5, 1, 3)], _joint_layout(model))
         assert torch.equal(model(image, text, mask), plain)  # no grad: the full sequence, no stale selection
+
+
+# ---- edges a mutation run would flip (docs/testing.md) -----------------------------------------------------------
+class _Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def _plain_layout(blocks, **kw):
+    return TreadLayout(blocks=blocks, image_arg="x", image_pos=0, text_arg=None, text_pos=None, rotary_arg=None,
+                       rotary_pos=None, image_output=None, **kw)
+
+
+@pytest.mark.parametrize("routes, message", [
+    ([(0.5, 1)], r"routes\[0\]: expected \(selection_ratio, start_layer_idx, end_layer_idx\)"),
+    ([(0.5, 1, 2, 3)], r"routes\[0\]: expected"),
+    ([object()], r"routes\[0\].selection_ratio: missing"),
+    ([{"start_layer_idx": 0, "end_layer_idx": 1}], r"routes\[0\].selection_ratio: missing"),
+    ([route(True, 0, 1)], r"selection_ratio: True must be a number in \[0, 1\)"),
+    ([route("0.5", 0, 1)], r"selection_ratio: '0.5' must be a number"),
+    ([route(0.5, True, 1)], r"start_layer_idx: True must be an integer layer index"),
+    ([route(0.5, 0, 6)], r"end_layer_idx: 6 is past the last layer \(5\)"),
+    ([route(0.5, 0, -7)], r"end_layer_idx: -7 is before the first layer \(the model has 6\)"),
+    ([route(0.5, 0, 2), route(0.5, 2, 3)], r"routes\[1\].start_layer_idx: layers 2..3 overlap routes\[0\] "
+                                           r"\(layers 0..2\)"),
+])
+def test_more_route_errors_name_the_field(routes, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_routes(routes, 6)
+
+
+def test_route_edges_that_are_allowed():
+    assert resolve_routes([route(0, 5, 5)], 6)[0] == resolve_routes([(0.0, -1, -1)], 6)[0]
+    assert resolve_routes([route(0.5, 0, 1), route(0.5, 2, 3)], 6)[1].start_layer_idx == 2  # adjacent, no overlap
+    later_first = resolve_routes([route(0.5, 4, 5), route(0.5, 0, 1)], 6)
+    assert [(r.start_layer_idx, r.end_layer_idx) for r in later_first] == [(4, 5), (0, 1)]
+    assert isinstance(resolve_routes([route(0, 0, 0)], 1)[0].selection_ratio, float)
+    with pytest.raises(ValueError, match="tread_config.routes: the model has no blocks to route"):
+        resolve_routes([route(0.5, 0, 0)], 0)
+
+
+def test_kept_count_rounds_half_up_and_keeps_at_least_one():
+    assert TREADRouter.kept_count(10, 0.25) == 8  # 7.5 -> 8
+    assert TREADRouter.kept_count(10, 0.35) == 7  # 6.5 -> 7
+    assert TREADRouter.kept_count(10, 0.0) == 10
+    assert TREADRouter.kept_count(10, 0.5, num_forced=4) == 7  # 4 + round(0.5 * 6)
+    assert TREADRouter.kept_count(1, 0.99) == 1 and TREADRouter.kept_count(5, 0.999) == 1
+    for weight in (-0.01, 1.01):
+        with pytest.raises(ValueError, match=f"importance_weight: {weight} must be in \\[0, 1\\]"):
+            TREADRouter(importance_weight=weight)
+    assert TREADRouter(importance_weight=0).importance_weight == 0 and TREADRouter(importance_weight=1)
+
+
+def test_importance_routing_keeps_the_largest_tokens_in_a_shared_subset():
+    tokens = torch.ones(2, 8, 4)
+    tokens[0, 6] *= 50  # large in one sample only: the shared subset goes by the batch mean
+    tokens[1, 2] *= 40
+    idx = TREADRouter(importance_weight=1.0).select(tokens, 0.75)
+    assert idx.tolist() == [[2, 6], [2, 6]]
+    forced = torch.zeros(8, dtype=torch.bool)
+    forced[0] = True
+    idx = TREADRouter(importance_weight=1.0).select(tokens, 0.75, force_keep=forced)
+    assert idx.tolist() == [[0, 2, 6]] * 2  # 1 forced + round(0.25 * 7)
+    per_sample = torch.zeros(2, 8, dtype=torch.bool)
+    per_sample[1, 3] = True
+    assert TREADRouter(importance_weight=1.0).select(tokens, 0.75, force_keep=per_sample).tolist() == [[2, 3, 6]] * 2
+    own = TREADRouter(importance_weight=1.0).select(tokens, 0.75, force_keep=per_sample, shared=False)
+    assert {2, 3} <= set(own[1].tolist()) and 6 in own[0].tolist() and own.shape == (2, 3)  # each its own subset
+    for bad in (torch.ones(8), [True] * 8, torch.ones(3, 8, dtype=torch.bool), torch.ones(2, 2, 8, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="force_keep"):
+            TREADRouter().select(tokens, 0.5, force_keep=bad)
+
+
+def test_apply_tread_checks_the_layout_before_attaching_anything():
+    model = torch.nn.Sequential(_Plain(), _Plain(), _Plain())
+    stranger = _Plain()
+    for blocks, message in (([], "a non-empty list of nn.Module blocks"),
+                            ([model[0], "x"], "a non-empty list of nn.Module blocks"),
+                            ([model[0], model[0]], "a block is listed twice"),
+                            ([model[0], stranger], "every block must be a submodule of the model")):
+        with pytest.raises(ValueError, match=message):
+            apply_tread(model, [route(0.5, 0, 0)], _plain_layout(blocks))
+        assert not any(b._forward_pre_hooks for b in model) and not hasattr(model, "_tread_handle")
+
+
+def test_force_keep_is_a_bool_mask_restored_after_the_block_and_removal_allows_reapplying():
+    model = torch.nn.Sequential(_Plain(), _Plain())
+    handle = apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)))
+    for bad in (torch.ones(4), [True]):
+        with pytest.raises(ValueError, match="force_keep: expected a bool tensor"):
+            handle.set_force_keep(bad)
+    outer = torch.ones(8, dtype=torch.bool)
+    handle.set_force_keep(outer)
+    with handle.force_keep(None):
+        assert handle._force_keep is None
+        with handle.force_keep(torch.zeros(8, dtype=torch.bool)):
+            pass
+        assert handle._force_keep is None
+    assert handle._force_keep is outer
+    x = torch.randn(2, 8, 4, requires_grad=True)
+    model(x)
+    assert handle.last_selection[0].shape == (2, 8)  # every token forced
+    handle.set_force_keep(None)
+    handle.remove()
+    assert handle.hooks == {} and not hasattr(model, "_tread_handle")
+    assert not any(b._forward_pre_hooks or b._forward_hooks for b in model)
+    again = apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)))
+    assert model._tread_handle is again
+    handle.remove()  # an old handle's remove leaves the new one attached
+    assert model._tread_handle is again
+
+
+def test_routing_follows_enabled_route_in_eval_and_grad_mode():
+    model = torch.nn.Sequential(_Plain(), _Plain())
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))  # inside the route
+    handle = apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)))
+    x = torch.randn(1, 8, 4)
+    model.train()
+    model(x)
+    handle.enabled = False
+    model(x)
+    handle.enabled = True
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    handle.route_in_eval = True
+    model(x)
+    with torch.no_grad():
+        model(x)
+    handle.enabled = False
+    model(x)
+    assert seen == [4, 8, 8, 8, 4, 4, 8]
