@@ -126,6 +126,20 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout
         time.sleep(0.1)
 
 
+def get_json_despite_drops(http, path: str, proc: subprocess.Popen, deadline: float, pause: float = 0.05):
+    """GET ``path``'s JSON from a test server, asking again when the connection drops as the request goes out (a
+    stalled machine can outlast a keep-alive), unless the server process has exited or ``deadline`` has passed."""
+    import httpx
+
+    while True:
+        try:
+            return http.get(path).json()
+        except httpx.TransportError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise
+            time.sleep(pause)
+
+
 class RecordingReporter:
     """Stands in for WebhookReporter: records image and scores events."""
 

@@ -120,5 +120,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  API token (saved in {settings.data_dir / 'api_token'}): {app.state.token}", file=sys.stderr)
     if not is_loopback(settings.host) and settings.host != "localhost":
         print("  listening beyond loopback: remote clients need 'Authorization: Bearer <token>'", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    # an idle keep-alive connection is closed after 30 s (uvicorn's 5 s let a poller whose machine stalled for a few
+    # seconds send its next request into a connection being closed: "disconnected without sending a response")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                timeout_keep_alive=30)
     return 0

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import free_port, wait_until_healthy
+from tests.helpers import free_port, get_json_despite_drops, wait_until_healthy
 
 ARTIFACTS = REPO / "test-artifacts" / "browser"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -108,10 +108,10 @@ class Server:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "simpletuner.cli", "server", "--port", str(self.port),
-             "--data-dir", str(self.data_dir), "--launcher", "python", "--cancel-grace", "5",
+             "--data-dir", str(self.data_dir), "--launcher", "python", "--cancel-grace", "30",
              "--stop-jobs-on-exit", "--log-level", "warning", *self.extra_args],
             cwd=self.workdir, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self.proc, self.url, self.log_path, timeout=60)
+        wait_until_healthy(self.proc, self.url, self.log_path, timeout=300)
 
     def crash_and_restart(self) -> None:
         """SIGKILL the server (its trainers run on in their own sessions) and start it again on the same port
@@ -129,10 +129,10 @@ class Server:
                 return out
             after = page["last_id"]
 
-    def wait_job(self, job_id: int, statuses: set[str], timeout: float = 240) -> dict:
+    def wait_job(self, job_id: int, statuses: set[str], timeout: float = 600) -> dict:
         deadline = time.time() + timeout
         while True:
-            job = self.http.get(f"/api/jobs/{job_id}").json()
+            job = get_json_despite_drops(self.http, f"/api/jobs/{job_id}", self.proc, deadline, pause=0.5)
             if job["status"] in statuses:
                 return job
             if time.time() > deadline:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tests.e2e.server_process import REPO, ServerProcess
+from tests.helpers import get_json_despite_drops
 
 
 def worker_token(server: ServerProcess, folder: Path, name: str = "drill") -> Path:
@@ -44,13 +45,16 @@ class WorkerProcess:
     def start(self) -> "WorkerProcess":
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not any(w["name"] == self.name and w["status"] == "online"
-                      for w in self.server.http.get("/api/workers").json()):
+        deadline = time.time() + 600  # a hang guard: the worker's imports take minutes on a stalled machine
+        while not self._online(deadline):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"worker {self.name} did not register:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
         return self
+
+    def _online(self, deadline: float) -> bool:
+        workers = get_json_despite_drops(self.server.http, "/api/workers", self.server.proc, deadline)
+        return any(w["name"] == self.name and w["status"] == "online" for w in workers)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

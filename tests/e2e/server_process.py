@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import free_port, wait_until_healthy
+from tests.helpers import free_port, get_json_despite_drops, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "drill-token"
@@ -41,7 +41,7 @@ class ServerProcess:
                "--data-dir", str(self.data_dir), *[a for r in self.roots for a in ("--allowed-root", str(r))],
                "--launcher", "python", "--max-concurrent", "1", "--log-level", "warning", *self.extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self.proc, self.url, self.log_path, timeout=60)
+        wait_until_healthy(self.proc, self.url, self.log_path, timeout=300)
         return self
 
     def kill9(self) -> None:
@@ -76,10 +76,10 @@ class ServerProcess:
                 return out
             after = page["last_id"]
 
-    def wait(self, job_id: int, predicate, what: str, timeout: float = 240) -> dict:
+    def wait(self, job_id: int, predicate, what: str, timeout: float = 600) -> dict:
         deadline = time.time() + timeout
         while True:
-            job = self.job(job_id)
+            job = get_json_despite_drops(self.http, f"/api/jobs/{job_id}", self.proc, deadline)
             if predicate(job):
                 return job
             if time.time() > deadline:
@@ -87,10 +87,10 @@ class ServerProcess:
                 raise AssertionError(f"job {job_id} never {what}: {job}\n{tail}")
             time.sleep(0.05)
 
-    def wait_status(self, job_id: int, *statuses: str, timeout: float = 240) -> dict:
+    def wait_status(self, job_id: int, *statuses: str, timeout: float = 600) -> dict:
         return self.wait(job_id, lambda j: j["status"] in statuses, f"reached {statuses}", timeout)
 
-    def wait_step(self, job_id: int, step: int, timeout: float = 240) -> dict:
+    def wait_step(self, job_id: int, step: int, timeout: float = 600) -> dict:
         """Until the running job has reported ``step`` (and has a checkpoint on record)."""
         return self.wait(job_id, lambda j: j["status"] == "running" and (j["progress"] or {}).get("step", 0) >= step,
                          f"reached step {step}", timeout)

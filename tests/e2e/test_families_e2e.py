@@ -25,14 +25,14 @@ import torch
 from simpletuner.config import family_names, get_family
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.e2e  # hang guard: tests/conftest.py (a tiny Qwen-Image-Edit case took 893 s on a slow machine)
 STEPS, RESUME_AT = 6, 3
 
 
 def simpletuner_train(config: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     sets = [arg for item in overrides for arg in ("--set", item)]
     proc = subprocess.run([sys.executable, "-m", "simpletuner.cli", "train", "--config", str(config), *sets],
-                          capture_output=True, text=True, cwd=cwd, timeout=900,
+                          capture_output=True, text=True, cwd=cwd, timeout=1500,
                           # one intra-op thread: float reductions run in one order, so runs compare bit for bit
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -83,18 +83,35 @@ def example_in(work: Path, name: str, resolution: int, frames: int | None = None
     return target / "config.json"
 
 
-def example_cases() -> list[tuple[str, str]]:
-    """(example, tiny flavour): every example on each tiny flavour of its family (Wan has one per architecture: T2V,
-    I2V, 2.2's high- and low-noise experts)."""
+def example_cases(modality: str) -> list[tuple[str, str]]:
+    """(example, tiny flavour): every example of a family of ``modality`` ("image" or "video") on each tiny flavour
+    of its family (Wan has one per architecture: T2V, I2V, 2.2's high- and low-noise experts). The video cases run
+    from tests/e2e/test_video_families_e2e.py: a file of their own, so the two test workers share the examples."""
     from simpletuner.config.families import tiny_flavours
 
     return [(name, flavour) for name in sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
+            if get_family(example_family(name)).modality == modality
             for flavour in tiny_flavours(get_family(example_family(name)))]
 
 
-@pytest.mark.parametrize("example,flavour", example_cases(),
-                         ids=[n if f == "tiny" else f"{n}[{f}]" for n, f in example_cases()])
+def case_ids(cases: list[tuple[str, str]]) -> list[str]:
+    return [n if f == "tiny" else f"{n}[{f}]" for n, f in cases]
+
+
+def test_every_example_is_a_case():
+    from simpletuner.config.families import tiny_flavours
+
+    cases = example_cases("image") + example_cases("video")
+    assert len(cases) == len(set(cases)) == sum(len(tiny_flavours(get_family(example_family(p.name))))
+                                                for p in EXAMPLES.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("example,flavour", example_cases("image"), ids=case_ids(example_cases("image")))
 def test_example_trains_resumes_and_changes_the_pipeline(example, flavour, tmp_path, monkeypatch):
+    check_example(example, flavour, tmp_path, monkeypatch)
+
+
+def check_example(example: str, flavour: str, tmp_path: Path, monkeypatch) -> None:
     from simpletuner.config import load_train_config
     from simpletuner.models.base import TextEmbedding
     from simpletuner.models.registry import get_adapter_class

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.server_process import REPO, ServerProcess, group_gone, logged_steps, resume_points
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]  # a hang guard
 INTERVAL = 4  # checkpointing_steps
 
 

@@ -50,7 +50,7 @@ def test_flags_answer_every_question(project):
 def test_interactive_in_a_terminal(project):
     pexpect = pytest.importorskip("pexpect")
     child = pexpect.spawn(sys.executable, ["-m", "simpletuner.cli", "configure"], cwd=str(project),
-                          encoding="utf-8", timeout=60, dimensions=(40, 200))
+                          encoding="utf-8", timeout=300, dimensions=(40, 200))
     answers = [
         (r"Model family \(.*\) \[flux\]: ", ""),
         (r"Flavour \(.*\) \[krea\]: ", "tiny"),

@@ -56,7 +56,7 @@ class LiveServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.time() + 20
+        deadline = time.time() + 120  # a hang guard: a busy machine starts threads slowly
         while not self.server.started:
             if time.time() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")
@@ -68,7 +68,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def wait_status(self, job_id: int, statuses, timeout: float = 30) -> dict:
+    def wait_status(self, job_id: int, statuses, timeout: float = 300) -> dict:
         """Poll until the job is in one of ``statuses`` (a running job: until its process has started)."""
         statuses = {statuses} if isinstance(statuses, str) else set(statuses)
         deadline = time.time() + timeout

@@ -42,7 +42,7 @@ def make_settings(tmp_path: Path, workdir: Path, **overrides) -> ServerSettings:
         job_command=["{python}", str(FAKE_TRAINER), "--config", "{config}"],
         poll_interval=0.05,
         heartbeat_interval=0.5,
-        cancel_grace=2.0,
+        cancel_grace=30.0,  # SIGTERM to SIGKILL: the fake trainer flushes its webhooks first, slowly on a busy machine
         stop_jobs_on_shutdown=True,
     )
     values.update(overrides)

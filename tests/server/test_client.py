@@ -11,8 +11,6 @@ from simpletuner.server.client import parse_sse
 
 from tests.server.helpers import data_backends, job_body, train_config
 
-pytestmark = pytest.mark.timeout(60)
-
 
 def _jobs(srv, *argv, token=None):
     token_args = []

@@ -9,8 +9,6 @@ from simpletuner.server.queue import group_alive
 
 from tests.server.helpers import job_body
 
-pytestmark = pytest.mark.timeout(120)
-
 
 def test_job_runs_and_reports(live_server):
     srv = live_server()
@@ -80,9 +78,9 @@ def test_cancel_escalates_to_sigkill_and_kills_the_whole_group(live_server):
     job = srv.wait_status(job_id, "running")
     _wait_file(Path(job["run_dir"]) / "output" / "started")
     srv.http.post(f"/api/jobs/{job_id}/cancel")
-    done = srv.wait_status(job_id, "cancelled", timeout=20)
+    done = srv.wait_status(job_id, "cancelled", timeout=120)
     assert done["exit_code"] == 137
-    deadline = time.time() + 5
+    deadline = time.time() + 60
     while group_alive(job["pid"]) and time.time() < deadline:  # the grandchild too
         time.sleep(0.05)
     assert not group_alive(job["pid"])
@@ -134,7 +132,7 @@ def test_too_many_processes_for_the_accelerators(live_server):
     assert r.status_code == 422 and r.json()["errors"][0]["path"] == "num_processes"
 
 
-def _wait_file(path: Path, timeout: float = 20) -> None:
+def _wait_file(path: Path, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while not path.exists():
         assert time.time() < deadline, f"{path} never appeared"

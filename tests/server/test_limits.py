@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
 from tests.server.helpers import job_body
 
-pytestmark = pytest.mark.timeout(120)
 MB = 1024 * 1024
 
 

@@ -10,8 +10,6 @@ from sqlalchemy import create_engine, text
 
 from tests.server.helpers import data_backends, job_body
 
-pytestmark = pytest.mark.timeout(120)
-
 
 def _pair(srv, cache_mode: str = "ok", **train):
     cache = srv.http.post("/api/jobs", json=job_body(name="cache", kind="cache",

@@ -17,8 +17,6 @@ from simpletuner.training.webhooks import sign
 from tests.server.fake_trainer import EMPTY_SAFETENSORS
 from tests.server.helpers import job_body
 
-pytestmark = pytest.mark.timeout(120)
-
 
 def _resumable(**train):
     return job_body(train={"tracker_run_name": "resume", "max_train_steps": 9, "checkpointing_steps": 3, **train})

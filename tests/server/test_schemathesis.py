@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
 ST = shutil.which("st") or str(Path(sys.executable).with_name("st"))
 
 

@@ -11,8 +11,6 @@ from simpletuner.training.webhooks import SIGNATURE_HEADER, WebhookReporter, sig
 
 from tests.server.helpers import PNG
 
-pytestmark = pytest.mark.timeout(60)
-
 
 class Receiver:
     """A tiny HTTP server recording requests; ``fail_first`` answers 500 that many times first."""

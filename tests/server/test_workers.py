@@ -11,8 +11,6 @@ from simpletuner.server.app import create_app
 from simpletuner.server.db import JobRow
 from tests.server.helpers import REMOTE, job_body
 
-pytestmark = pytest.mark.timeout(60)
-
 
 @pytest.fixture
 def app_client(settings_factory):
