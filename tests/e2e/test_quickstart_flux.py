@@ -6,7 +6,8 @@ validation at 1024x1024 and 1280x768 with previews, a prompt library; the regula
 the first entry of its example ``config/user_prompt_library.json`` (each entry costs two 20-step generations, with
 a preview per step, at a megapixel on the CPU: the example's second entry would test nothing the first does not).
 The config's step counts (``--max_train_steps: 2``, intervals of 2) are the only values a user would not have: the
-run stops after two steps.
+run stops after two steps, and its validation denoises in ``STEPS`` steps instead of the quickstart's 20 (set on the
+command line: a megapixel step on the CPU costs seconds, and 20 of them per image made this the suite's slowest test).
 The test makes the image folders they name, and the only overrides are the ones the tiny flavour needs:
 ``model_flavour=tiny`` and null model paths. No webhook and no server: previews are written beside the images.
 """
@@ -28,6 +29,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.e2e
 FIXTURE = REPO / "tests" / "fixtures" / "quickstart_flux" / "config"
 TINY = ("model_flavour=tiny", "pretrained_model_name_or_path=null", "pretrained_vae_model_name_or_path=null")
+STEPS = 3  # validation_num_inference_steps for the walkthrough's train step
 
 
 def run(project: Path, *args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -79,7 +81,8 @@ def test_the_walkthrough_configure_validate_train(project, tmp_path_factory):
     assert "unknown key" not in checked.stdout
 
     # step 3: train (2 steps, validation with previews at step 2, LoRA written)
-    trained = run(project, "train", "--config", "config/config.json", *sets(*TINY),
+    trained = run(project, "train", "--config", "config/config.json",
+                  *sets(*TINY, f"validation_num_inference_steps={STEPS}"),
                   env={"OMP_NUM_THREADS": "2"})
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-6000:]
     assert ("data_backend_config: not set; using config/multidatabackend.json, found beside config/config.json"
@@ -100,7 +103,7 @@ def test_the_walkthrough_configure_validate_train(project, tmp_path_factory):
     with Image.open(step / "validation_1280x768.png") as image:
         assert image.size == (1280, 768)
     previews = {p.name for p in (step / "previews").glob("*.png")}  # validation_preview_steps 1: every step
-    assert previews == {f"{n}_{w}x{h}_{i}.png" for n in nicknames for (w, h) in sizes for i in range(1, 21)}
+    assert previews == {f"{n}_{w}x{h}_{i}.png" for n in nicknames for (w, h) in sizes for i in range(1, STEPS + 1)}
 
     # the regularisation set and the subject sets all trained (caches hold their latents)
     for cache in ("pseudo-camera-10k", "dreambooth-subject", "dreambooth-subject-512"):
