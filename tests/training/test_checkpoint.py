@@ -513,3 +513,149 @@ def test_a_damaged_extra_network_is_named(tmp_path):
     (path / "trainable-critic.safetensors").unlink()
     with pytest.raises(ckpt.CheckpointDamaged, match="trainable-critic.safetensors: missing"):
         ckpt.read_checkpoint(path, extra_trainable=("critic",))
+
+
+# ---- what the mutation run of 2026-11-28 found unguarded (docs/testing.md) -----------------------------------
+class PerRankEngine(PerRankOptimizer):
+    """A sharded run whose engine reads its own files (as sharding.DeepSpeedRun): ``load`` restores this rank's
+    optimizer from its own file and records what it was given."""
+
+    kind = "deepspeed"
+
+    def load(self, folder, parts):
+        self.loaded = (folder, parts)
+        self.opt.load_state_dict(torch.load(folder / f"optimizer-rank{self.rank}.pt", weights_only=True))
+
+
+def _save_everything_as_ranks(root, world):
+    """A sharded checkpoint of ``world`` ranks (threads) with an EMA, a critic network and a critic optimizer."""
+    barrier = threading.Barrier(world)
+    parts = [_parts(seed=r) for r in range(world)]
+    critic, critic_opt, _ = _parts(seed=5)
+    errors = []
+
+    def rank(r):
+        try:
+            _, opt, sched = parts[r]
+            extras = {} if r else {"ema_state": {"shadow_params": [torch.full((2,), 3.0)]},
+                                   "extra_trainable": {"critic": dict(critic.named_parameters())},
+                                   "extra_states": {"critic_optimizer": critic_opt.state_dict()}}
+            ckpt.save_checkpoint(root, _state(4, seed=20 + r, batch_in_epoch=1), trainable=None, optimizer=opt,
+                                 lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
+                                 barrier=barrier.wait, shards=PerRankEngine(opt, r, world), **extras)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    return parts, critic, critic_opt
+
+
+@pytest.mark.parametrize("which", ["latest", "checkpoint-4"])
+def test_resume_hands_every_part_to_its_owner(tmp_path, which):
+    """Rank 1 of a sharded two-process run resumes ``latest`` and a named checkpoint alike: its own RNG, the
+    engine's shards, the scheduler, the EMA, the critic's weights and optimizer, and the position."""
+    parts, critic, critic_opt = _save_everything_as_ranks(tmp_path, world=2)
+    path = tmp_path / "checkpoint-4"
+    _, opt, sched = _parts(seed=9)
+    opt.step()
+    sched.step()  # a scheduler that must be put back
+    shards, ema, loaded = PerRankEngine(opt, 1, 2), _Ema(), {}
+    _, fresh_critic_opt, _ = _parts(seed=8)
+    state = _state(0, seed=99)
+    found = ckpt.resume(tmp_path, which, state, optimizer=opt, lr_scheduler=sched, rank=1, world_size=2, ema=ema,
+                        shards=shards, extra_trainable={"critic": lambda w, source: loaded.update(w=w, source=source)},
+                        extra_states={"critic_optimizer": fresh_critic_opt})
+    assert found == (path, None)  # a sharded run's weights come back through its shards, not as a dict
+    folder, shard_parts = shards.loaded
+    assert folder == path and shard_parts == {"kind": "deepspeed", "state_dict_type": "SHARDED_STATE_DICT"}
+    saved_opt = parts[1][1].state_dict()["state"][0]["exp_avg"]  # rank 1's own optimizer, not rank 0's
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt)
+    assert sched.state_dict()["last_epoch"] == parts[1][2].state_dict()["last_epoch"] == 0
+    assert torch.equal(state.generator.get_state(), ckpt.load_pt(path / "rng-rank1.pt")["generator"])
+    assert (state.global_step, state.batch_in_epoch) == (4, 1)
+    assert torch.equal(ema.loaded[0]["shadow_params"][0], torch.full((2,), 3.0)) and ema.loaded[1] == str(
+        path / "ema.pt")
+    assert torch.equal(loaded["w"]["weight"], critic.weight.detach())
+    assert loaded["source"] == f"{path}/trainable-critic.safetensors"
+    assert torch.equal(fresh_critic_opt.state_dict()["state"][0]["exp_avg"],
+                       critic_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_one_process_sharded_run_resumes_with_the_default_world_size(tmp_path):
+    _, opt, sched = _parts()
+    path = ckpt.save_checkpoint(tmp_path, _state(3), trainable=None, optimizer=opt, lr_scheduler=sched,
+                                total_limit=None, shards=PerRankEngine(opt, 0, 1))
+    assert ckpt.read_checkpoint(path, shards=PerRankEngine(opt, 0, 1))["state"]["global_step"] == 3
+    state = _state(0)
+    assert ckpt.load_checkpoint(path, state, optimizer=opt, lr_scheduler=sched, shards=PerRankEngine(opt, 0, 1)) \
+        is None and state.global_step == 3
+    state = _state(0)
+    assert ckpt.resume(tmp_path, "latest", state, optimizer=opt, lr_scheduler=sched,
+                       shards=PerRankEngine(opt, 0, 1)) == (path, None) and state.global_step == 3
+
+
+def test_a_rank_beyond_the_saved_world_and_damaged_files_are_named_whole(tmp_path, caplog):
+    model, opt, sched = _parts()
+    path = _save(tmp_path, 5, model, opt, sched)
+    with pytest.raises(FileNotFoundError) as missing:
+        ckpt.read_checkpoint(path, rank=1, world_size=2)
+    assert str(missing.value) == (f"resume_from_checkpoint: {path} has no RNG state for process 1 (it was saved by "
+                                  "a run with fewer processes)")
+    (path / "optimizer.pt").write_bytes(b"not a zip")
+    try:
+        torch.load(path / "optimizer.pt", weights_only=True)
+    except Exception as exc:  # what torch says, first line only
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    with pytest.raises(ckpt.CheckpointDamaged) as damaged:
+        ckpt.read_checkpoint(path)
+    assert str(damaged.value) == f"{path / 'optimizer.pt'}: cannot be read safely ({why})"
+    _truncate(path / "trainable.safetensors")
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"/checkpoint-5/trainable\.safetensors: damaged \("):
+        ckpt.read_checkpoint(path)
+    older = _save(tmp_path, 4, model, opt, sched)
+    with caplog.at_level("WARNING", logger="simpletuner.checkpoint"):
+        assert ckpt.resume(tmp_path, "latest", _state(0), optimizer=opt, lr_scheduler=sched)[0] == older
+    assert caplog.messages == [f"{path / 'trainable.safetensors'}: damaged (" + caplog.messages[0].split(
+        ": damaged (", 1)[1]]
+    assert caplog.messages[0].endswith("; resuming from the checkpoint before it")
+
+
+def test_a_save_makes_missing_parents_and_replaces_a_crashed_save_of_its_step(tmp_path):
+    model, opt, sched = _parts()
+    root = tmp_path / "runs" / "one"
+    (root / ".checkpoint-3.tmp").mkdir(parents=True)  # a crash at this step, before
+    (root / ".checkpoint-3.tmp" / "stale.pt").write_text("half")
+    path = _save(root, 3, model, opt, sched)
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-3"] and not (path / "stale.pt").exists()
+    nested = tmp_path / "a" / "b" / "c"
+    assert _save(nested, 1, model, opt, sched).parent == nested
+
+
+def test_the_crash_drill_failpoint_fires_with_the_checkpoint_half_written(tmp_path, monkeypatch):
+    """The failpoint the kill -9 drills arm (they SIGKILL there); here it records where it was hit."""
+    model, opt, sched = _parts()
+    hits = []
+    monkeypatch.setattr(ckpt.failpoints, "hit", lambda name, step: hits.append(
+        (name, step, sorted(p.name for p in (tmp_path / f".checkpoint-{step}.tmp").iterdir()))))
+    _save(tmp_path, 7, model, opt, sched)
+    assert hits == [("checkpoint.save", 7, ["optimizer.pt", "rng.pt", "trainable.safetensors"])]
+
+
+def test_numpy_state_is_saved_as_int64_keys(tmp_path):
+    """The RNG file's format: NumPy's 624 uint32 keys as an int64 tensor (what older checkpoints hold too)."""
+    keys = ckpt.rng_state(torch.Generator())["numpy"][1]
+    assert keys.dtype == torch.int64 and keys.shape == (624,)
+
+
+def test_a_named_checkpoint_restores_the_optimizer(tmp_path):
+    model, opt, sched = _parts()
+    _save(tmp_path, 5, model, opt, sched)
+    _, fresh_opt, fresh_sched = _parts(seed=3)
+    ckpt.resume(tmp_path, "checkpoint-5", _state(0), optimizer=fresh_opt, lr_scheduler=fresh_sched)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
