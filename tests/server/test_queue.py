@@ -1,16 +1,19 @@
 """Claiming is exclusive across servers sharing a database; restarts reconcile left-over running jobs."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from sqlalchemy import select
 
 from simpletuner.server.broker import EventBroker
-from simpletuner.server.db import Database, JobRow
+from simpletuner.server.db import Database, JobEventRow, JobRow
 from simpletuner.server.queue import SERVER_RESTARTED, JobManager, group_alive
+from simpletuner.server.queue import logger as queue_logger
 
 from tests.server.helpers import data_backends, make_settings, train_config
 
@@ -107,7 +110,10 @@ def test_restart_fails_or_requeues_jobs_whose_process_is_gone(tmp_path, workdir)
     with fresh.db.session() as s:
         rows = {j.id: j for j in s.query(JobRow)}
     assert rows[plain].status == "failed" and rows[plain].reason == SERVER_RESTARTED
-    assert rows[retry].status == "queued" and "server restarted" in rows[retry].reason
+    assert rows[retry].status == "queued" and rows[retry].reason == f"re-queued: {SERVER_RESTARTED}"
+    # nothing of the lost attempt's process or owner is left on the re-queued row
+    assert [getattr(rows[retry], k) for k in ("pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
+                                              "webhook_secret")] == [None] * 7
     assert rows[queued].status == "queued"  # queued jobs survive untouched
     assert fresh.reconcile() == []  # idempotent
 
@@ -159,6 +165,7 @@ def test_a_stranger_with_the_old_pid_is_not_adopted(tmp_path, workdir):
         _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=stranger.pid, pgid=stranger.pid)
         fresh = _manager(tmp_path, workdir, url)
         assert dict(fresh.reconcile()) == {job_id: "failed"}
+        assert stranger.wait(timeout=60) == -signal.SIGKILL  # the job's group, not provably its trainer: killed
     finally:
         stranger.kill()
         stranger.wait()
@@ -557,3 +564,84 @@ def test_reconcile_leaves_this_servers_own_jobs_to_its_scheduler(tmp_path, workd
     _claim(mgr, job_id)  # claimed by this server (no heartbeat yet, no process known)
     assert mgr.reconcile() == []
     assert _row(mgr, job_id).status == "running" and _row(mgr, job_id).owner == mgr.server_id
+
+
+def test_an_adopted_trainer_is_taken_over_with_its_pid_and_devices(tmp_path, workdir, caplog):
+    """Reconcile walks every running job: one a live server still owns is left alone, the next one (a live
+    trainer of a dead server) is adopted with its process, its devices and this server as owner."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mgr = _manager(tmp_path, workdir, url)
+    alive, job_id, gone = _queue(mgr, 3)
+    _fake_running(mgr, alive, owner_pid=os.getppid())  # a live server on this host: not orphaned
+    dead = _dead_pid()
+    _fake_running(mgr, gone, owner_pid=dead, pid=dead, pgid=dead)  # and after the adopted one, a lost one
+    env = {**os.environ, "SIMPLETUNER_JOB_ID": str(job_id), "SIMPLETUNER_WEBHOOK_SECRET": "s"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True)
+    try:
+        _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=proc.pid, pgid=proc.pid, heartbeat=time.time() - 5)
+        with mgr.db.session(write=True) as s:
+            s.get(JobRow, job_id).devices, s.get(JobRow, job_id).num_processes = "0,1", 2
+        fresh = _manager(tmp_path, workdir, url, accelerators=["0", "1"], max_concurrent=2)
+        before = time.time()
+        with caplog.at_level("INFO", logger=queue_logger.name):
+            assert fresh.reconcile() == [(job_id, "adopted"), (gone, "failed")]
+        assert f"job {job_id}: adopted running trainer (pid {proc.pid}) after restart" in caplog.messages
+        run = fresh.procs[job_id]
+        assert (run.pid, run.pgid, run.devices, run.cost) == (proc.pid, proc.pid, ["0", "1"], 2)
+        assert fresh._free_devices() == []  # both devices are the adopted trainer's
+        with fresh.db.session() as s:
+            event = s.scalars(select(JobEventRow).where(JobEventRow.job_id == job_id)
+                              .order_by(JobEventRow.id.desc())).first()
+        assert (event.type, event.source, event.data) == ("job", "server", {
+            "status": "running", "attempt": 1, "pid": proc.pid, "adopted": True,
+            "reason": "adopted after server restart"})
+        row = _row(fresh, job_id)
+        assert (row.owner, row.owner_host, row.owner_pid) == (fresh.server_id, fresh.host, fresh.pid)
+        assert row.heartbeat_at >= before and row.status == "running"
+        assert _row(fresh, alive).owner == f"{mgr.host}:{os.getppid()}:dead"  # untouched
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("change", [{"owner": "elsewhere:1:x"}, {"status": "succeeded"}],
+                         ids=["another-server-took-it", "it-finished-meanwhile"])
+def test_a_job_that_changed_between_the_read_and_the_take_over_is_left_alone(tmp_path, workdir, change):
+    """Two servers may reconcile at once: the take-over only takes a row still running under the owner read."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mgr = _manager(tmp_path, workdir, url)
+    taken, lost = _queue(mgr, 2)
+    dead = _dead_pid()
+    for job_id in (taken, lost):
+        _fake_running(mgr, job_id, owner_pid=dead, pid=dead, pgid=dead)
+    fresh = _manager(tmp_path, workdir, url)
+    orphaned = fresh._orphaned
+
+    def meanwhile(job, t):  # the other server acts between this one's read and its update
+        if job.id == taken:
+            with mgr.db.session(write=True) as s:
+                for key, value in change.items():
+                    setattr(s.get(JobRow, taken), key, value)
+        return orphaned(job, t)
+
+    fresh._orphaned = meanwhile
+    assert fresh.reconcile() == [(lost, "failed")]
+    row = _row(fresh, taken)
+    assert row.owner == change.get("owner", f"{mgr.host}:{dead}:dead")
+    assert row.status == change.get("status", "running")
+
+
+def test_a_cancelled_job_lost_with_its_server_ends_cancelled(tmp_path, workdir):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    mgr = _manager(tmp_path, workdir, url)
+    (job_id,) = _queue(mgr, 1)
+    dead = _dead_pid()
+    _fake_running(mgr, job_id, owner_pid=dead, pid=dead, pgid=dead)
+    with mgr.db.session(write=True) as s:
+        job = s.get(JobRow, job_id)
+        job.cancel_requested, job.exit_code, job.results = True, 7, {"last_checkpoint_step": 4}
+    fresh = _manager(tmp_path, workdir, url)
+    assert fresh.reconcile() == [(job_id, "cancelled")]
+    row = _row(fresh, job_id)
+    assert (row.status, row.reason, row.exit_code) == ("cancelled", "cancelled by user (server restarted)", None)
+    assert row.results == {"last_checkpoint_step": 4} and row.webhook_secret is None
