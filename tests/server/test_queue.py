@@ -104,6 +104,8 @@ def test_restart_fails_or_requeues_jobs_whose_process_is_gone(tmp_path, workdir)
     dead = _dead_pid()
     _fake_running(mgr, plain, owner_pid=dead, pid=dead, pgid=dead)
     _fake_running(mgr, retry, owner_pid=dead, pid=dead, pgid=dead)
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, retry).results = {"final_loss": 0.5}  # what the lost attempt had reported
     fresh = _manager(tmp_path, workdir, url)  # "the restarted server"
     outcomes = dict(fresh.reconcile())
     assert outcomes == {plain: "failed", retry: "requeued"}
@@ -114,6 +116,7 @@ def test_restart_fails_or_requeues_jobs_whose_process_is_gone(tmp_path, workdir)
     # nothing of the lost attempt's process or owner is left on the re-queued row
     assert [getattr(rows[retry], k) for k in ("pid", "pgid", "owner", "owner_host", "owner_pid", "started_at",
                                               "webhook_secret")] == [None] * 7
+    assert rows[retry].results == {"final_loss": 0.5, "output_dir": f"{rows[retry].run_dir}/output"}  # kept
     assert rows[queued].status == "queued"  # queued jobs survive untouched
     assert fresh.reconcile() == []  # idempotent
 

@@ -189,4 +189,7 @@ def test_a_job_lost_with_the_server_uses_its_automatic_retries(manager):
     assert dict(manager().reconcile()) == {job_id: "requeued"}
     with mgr.db.session() as s:
         job = s.get(JobRow, job_id)
-    assert job.status == "queued" and job.retries == 1 and "automatic retry 1 of 1" in job.reason
+    assert job.status == "queued" and job.retries == 1
+    assert job.reason == ("trainer lost (server restarted); automatic retry 1 of 1, starts from step 0 "
+                          "(no checkpoint yet)")
+    assert job.results == {"output_dir": f"{job.run_dir}/output"}  # what the lost attempt left: no checkpoint yet
