@@ -145,7 +145,7 @@ def test_restart_adopts_a_trainer_that_is_still_running(tmp_path, workdir):
         _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=proc.pid, pgid=proc.pid, secret="sekrit")
         fresh = _manager(tmp_path, workdir, url)
         assert dict(fresh.reconcile()) == {job_id: "adopted"}
-        assert job_id in fresh.procs
+        assert fresh.procs[job_id].devices == []  # a CPU job holds no device
         fresh.cancel(job_id)  # cancel works on an adopted job: SIGTERM to its group
         deadline = time.time() + 60
         while job_id in fresh.procs and time.time() < deadline:

@@ -562,3 +562,83 @@ def test_routing_follows_enabled_route_in_eval_and_grad_mode():
     handle.enabled = False
     model(x)
     assert seen == [4, 8, 8, 8, 4, 4, 8]
+
+
+# ---- what the mutation run of 2026-11-28 found unguarded (docs/testing.md) -----------------------------------
+def test_arguments_are_read_and_replaced_by_name_or_position():
+    from simpletuner.training.tread import _get, _put
+
+    assert _get((1, 2), {"x": 3}, "x", 0) == 3  # a keyword wins over the position
+    assert _get((1, 2), {}, "x", 1) == 2 and _get((1,), {}, "x", 1) is None and _get((1,), {}, None, None) is None
+    kwargs = {"x": 3}
+    assert _put((1, 2), kwargs, "x", 0, 9) == ((1, 2), {"x": 9}) and kwargs == {"x": 3}  # never in place
+    assert _put((1, 2), {}, "x", 1, 9) == ((1, 9), {})
+    assert _put((1,), {}, "x", 1, 9) == ((1,), {"x": 9})  # not given at all: passed by name
+    assert _put((1,), {"y": 0}, None, 1, 9) == ((1,), {"y": 0})  # nowhere to put it
+    assert _put((1, 2), {}, None, 0, 9) == ((9, 2), {})
+
+
+def test_the_score_mixes_normalised_rank_and_the_routers_noise():
+    """score = w * rank / (N - 1) + (1 - w) * u, u drawn from the router's generator; the top scores are kept."""
+    tokens = torch.arange(1.0, 9.0).repeat(1, 1).unsqueeze(-1).expand(1, 8, 3).flip(1).contiguous()  # 8 > 7 > ...
+    for w in (0.3, 0.5, 0.8):
+        router = TREADRouter(importance_weight=w, generator=torch.Generator().manual_seed(5))
+        noise = torch.rand(1, 8, generator=torch.Generator().manual_seed(5))
+        ranks = torch.arange(7, -1, -1).float().unsqueeze(0) / 7  # the largest token has rank 1
+        expected = (w * ranks + (1 - w) * noise).topk(3, dim=-1).indices.sort(-1).values
+        assert router.select(tokens, 5 / 8).tolist() == expected.tolist(), w
+    two = torch.tensor([[[1.0], [3.0]]])  # N = 2: ranks 0 and 1, so w = 1 keeps the larger one
+    assert TREADRouter(importance_weight=1.0).select(two, 0.5).tolist() == [[1]]
+
+
+def test_per_sample_selections_keep_as_many_as_the_most_forced_sample_needs():
+    tokens = torch.ones(2, 16, 4)
+    forced = torch.zeros(2, 16, dtype=torch.bool)
+    forced[0, :3] = True  # three in one sample, two in the other: five in all
+    forced[1, 5:7] = True
+    idx = TREADRouter().select(tokens, 0.75, force_keep=forced, shared=False)
+    assert idx.shape == (2, TREADRouter.kept_count(16, 0.75, 3)) == (2, 6)
+    assert {0, 1, 2} <= set(idx[0].tolist()) and {5, 6} <= set(idx[1].tolist())
+
+
+def test_routed_tokens_scatter_back_in_the_full_sequences_dtype():
+    full = torch.zeros(1, 4, 2)
+    out = TREADRouter.scatter(full, torch.ones(1, 2, 2, dtype=torch.bfloat16), torch.tensor([[1, 3]]))
+    assert out.dtype == torch.float32 and out[0, :, 0].tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_layout_and_mask_errors_are_whole_sentences():
+    import re
+
+    model = torch.nn.Sequential(_Plain(), _Plain(), _Plain())
+    for blocks, message in (([], "TreadLayout.blocks: expected a non-empty list of nn.Module blocks"),
+                            ([model[0], model[0]], "TreadLayout.blocks: a block is listed twice"),
+                            ([model[0], _Plain()], "TreadLayout.blocks: every block must be a submodule of the model")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            apply_tread(model, [route(0.5, 0, 0)], _plain_layout(blocks))
+    handle = apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)), importance_weight=0.3)
+    assert handle.router.importance_weight == 0.3
+    with pytest.raises(ValueError, match=re.escape(
+            "tread_config: TREAD is already applied to this model; remove() the first handle")):
+        apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)))
+    mask_message = "^force_keep: expected a bool tensor with one entry per image token$"
+    with pytest.raises(ValueError, match=mask_message):
+        handle.set_force_keep(torch.ones(4))
+    with pytest.raises(ValueError, match=mask_message):
+        TREADRouter().select(torch.ones(1, 8, 4), 0.5, force_keep=torch.ones(8))
+    handle.remove()
+    assert not hasattr(model, "_tread_handle")
+    handle.remove()  # twice: nothing left to remove, no error
+
+
+@pytest.mark.parametrize("start, ok", [(-1, False), (0, True), (4, True), (5, False)])
+def test_the_joint_sequence_may_start_at_any_block_or_after_the_last(start, ok):
+    from simpletuner.models.tread_layout import JointSequence
+
+    model = torch.nn.Sequential(*[_Plain() for _ in range(4)])
+    layout = _plain_layout(list(model), joint=JointSequence(start=start, image_tokens=lambda m, a, k: 8))
+    if ok:
+        apply_tread(model, [route(0.5, 0, 0)], layout).remove()
+    else:
+        with pytest.raises(ValueError, match=f"^TreadLayout.joint.start: {start} is outside the 4 blocks$"):
+            apply_tread(model, [route(0.5, 0, 0)], layout)
