@@ -580,15 +580,15 @@ def test_arguments_are_read_and_replaced_by_name_or_position():
 
 def test_the_score_mixes_normalised_rank_and_the_routers_noise():
     """score = w * rank / (N - 1) + (1 - w) * u, u drawn from the router's generator; the top scores are kept."""
-    tokens = torch.arange(1.0, 9.0).repeat(1, 1).unsqueeze(-1).expand(1, 8, 3).flip(1).contiguous()  # 8 > 7 > ...
-    for w in (0.3, 0.5, 0.8):
-        router = TREADRouter(importance_weight=w, generator=torch.Generator().manual_seed(5))
-        noise = torch.rand(1, 8, generator=torch.Generator().manual_seed(5))
-        ranks = torch.arange(7, -1, -1).float().unsqueeze(0) / 7  # the largest token has rank 1
-        expected = (w * ranks + (1 - w) * noise).topk(3, dim=-1).indices.sort(-1).values
-        assert router.select(tokens, 5 / 8).tolist() == expected.tolist(), w
-    two = torch.tensor([[[1.0], [3.0]]])  # N = 2: ranks 0 and 1, so w = 1 keeps the larger one
-    assert TREADRouter(importance_weight=1.0).select(two, 0.5).tolist() == [[1]]
+    for num, kept in ((8, 3), (2, 1)):
+        tokens = torch.arange(num, 0, -1).float().reshape(1, num, 1).expand(1, num, 3)  # token 0 the largest
+        ranks = torch.arange(num - 1, -1, -1).float().unsqueeze(0) / (num - 1)  # the largest has rank 1
+        for w in (0.3, 0.5, 0.8):
+            for seed in range(12):
+                router = TREADRouter(importance_weight=w, generator=torch.Generator().manual_seed(seed))
+                noise = torch.rand(1, num, generator=torch.Generator().manual_seed(seed))
+                expected = (w * ranks + (1 - w) * noise).topk(kept, dim=-1).indices.sort(-1).values
+                assert router.select(tokens, 1 - kept / num).tolist() == expected.tolist(), (num, w, seed)
 
 
 def test_per_sample_selections_keep_as_many_as_the_most_forced_sample_needs():
@@ -618,8 +618,8 @@ def test_layout_and_mask_errors_are_whole_sentences():
             apply_tread(model, [route(0.5, 0, 0)], _plain_layout(blocks))
     handle = apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)), importance_weight=0.3)
     assert handle.router.importance_weight == 0.3
-    with pytest.raises(ValueError, match=re.escape(
-            "tread_config: TREAD is already applied to this model; remove() the first handle")):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "tread_config: TREAD is already applied to this model; remove() the first handle") + "$"):
         apply_tread(model, [route(0.5, 0, 1)], _plain_layout(list(model)))
     mask_message = "^force_keep: expected a bool tensor with one entry per image token$"
     with pytest.raises(ValueError, match=mask_message):
@@ -642,3 +642,26 @@ def test_the_joint_sequence_may_start_at_any_block_or_after_the_last(start, ok):
     else:
         with pytest.raises(ValueError, match=f"^TreadLayout.joint.start: {start} is outside the 4 blocks$"):
             apply_tread(model, [route(0.5, 0, 0)], layout)
+
+
+def test_the_joint_image_token_count_reads_the_models_own_call():
+    from simpletuner.models.tread_layout import JointSequence
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_Plain(), _Plain()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model, seen = Model(), []
+    layout = _plain_layout(list(model.blocks), joint=JointSequence(
+        start=2, image_tokens=lambda m, a, k: seen.append((m, a, k)) or k["x"].shape[1]))
+    handle = apply_tread(model, [route(0.5, 0, 1)], layout)
+    x = torch.randn(1, 8, 4)
+    model(x=x)
+    (m, a, k), = seen
+    assert m is model and a == () and k["x"] is x and handle._image_tokens == 8
