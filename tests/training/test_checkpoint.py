@@ -97,19 +97,15 @@ class PerRankOptimizer:
         return {"kind": self.kind, "state_dict_type": "SHARDED_STATE_DICT", "world_size": self.world, "files": files}
 
 
-def _save_as_ranks(tmp_path, world, sharded):
-    """Every rank saves together (threads standing in for processes, a barrier for accelerate's)."""
+def _as_ranks(world, save):
+    """``save(rank, barrier)`` on every rank together: threads standing in for processes, a barrier for
+    accelerate's; a rank that fails aborts the barrier, and its error is raised here."""
     barrier = threading.Barrier(world)
-    parts = [_parts(seed=r) for r in range(world)]
-    states = [_state(4, seed=10 + r, batch_in_epoch=2) for r in range(world)]
     errors = []
 
     def rank(r):
         try:
-            model, opt, sched = parts[r]
-            ckpt.save_checkpoint(tmp_path, states[r], trainable=dict(model.named_parameters()) if r == 0 else None,
-                                 optimizer=opt, lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
-                                 barrier=barrier.wait, shards=PerRankOptimizer(opt, r, world) if sharded else None)
+            save(r, barrier.wait)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
             barrier.abort()
@@ -120,6 +116,20 @@ def _save_as_ranks(tmp_path, world, sharded):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def _save_as_ranks(tmp_path, world, sharded):
+    """Every rank saves together."""
+    parts = [_parts(seed=r) for r in range(world)]
+    states = [_state(4, seed=10 + r, batch_in_epoch=2) for r in range(world)]
+
+    def save(r, barrier):
+        model, opt, sched = parts[r]
+        ckpt.save_checkpoint(tmp_path, states[r], trainable=dict(model.named_parameters()) if r == 0 else None,
+                             optimizer=opt, lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
+                             barrier=barrier, shards=PerRankOptimizer(opt, r, world) if sharded else None)
+
+    _as_ranks(world, save)
     return parts, states
 
 
@@ -528,31 +538,20 @@ class PerRankEngine(PerRankOptimizer):
 
 
 def _save_everything_as_ranks(root, world):
-    """A sharded checkpoint of ``world`` ranks (threads) with an EMA, a critic network and a critic optimizer."""
-    barrier = threading.Barrier(world)
+    """A sharded checkpoint of ``world`` ranks with an EMA, a critic network and a critic optimizer."""
     parts = [_parts(seed=r) for r in range(world)]
     critic, critic_opt, _ = _parts(seed=5)
-    errors = []
 
-    def rank(r):
-        try:
-            _, opt, sched = parts[r]
-            extras = {} if r else {"ema_state": {"shadow_params": [torch.full((2,), 3.0)]},
-                                   "extra_trainable": {"critic": dict(critic.named_parameters())},
-                                   "extra_states": {"critic_optimizer": critic_opt.state_dict()}}
-            ckpt.save_checkpoint(root, _state(4, seed=20 + r, batch_in_epoch=1), trainable=None, optimizer=opt,
-                                 lr_scheduler=sched, total_limit=None, rank=r, world_size=world,
-                                 barrier=barrier.wait, shards=PerRankEngine(opt, r, world), **extras)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-            barrier.abort()
+    def save(r, barrier):
+        _, opt, sched = parts[r]
+        extras = {} if r else {"ema_state": {"shadow_params": [torch.full((2,), 3.0)]},
+                               "extra_trainable": {"critic": dict(critic.named_parameters())},
+                               "extra_states": {"critic_optimizer": critic_opt.state_dict()}}
+        ckpt.save_checkpoint(root, _state(4, seed=20 + r, batch_in_epoch=1), trainable=None, optimizer=opt,
+                             lr_scheduler=sched, total_limit=None, rank=r, world_size=world, barrier=barrier,
+                             shards=PerRankEngine(opt, r, world), **extras)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    _as_ranks(world, save)
     return parts, critic, critic_opt
 
 
