@@ -156,12 +156,16 @@ class LTXVideoAdapter(ModelAdapter):
         return LTXPipeline._pack_latents(latents, 1, 1)
 
     def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Packed latents mid-denoise -> the first latent frame (the poster frame) in the VAE's raw space."""
-        h, w = height // self.resolution_multiple, width // self.resolution_multiple
-        frames = latents.shape[1] // (h * w)
-        unpacked = LTXPipeline._unpack_latents(latents, frames, h, w, 1, 1)[:, :, :1].float()
-        return LTXPipeline._denormalize_latents(unpacked, self.vae.latents_mean, self.vae.latents_std,
-                                                self.vae.config.scaling_factor)
+        return poster_frame(LTXPipeline, self.vae, latents, height // self.resolution_multiple,
+                            width // self.resolution_multiple)
+
+
+def poster_frame(pipeline_cls, vae, latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Packed latents mid-denoise, ``h`` x ``w`` tokens a frame -> the first latent frame (the poster frame) in the
+    VAE's raw space, by the pipeline's own static unpack and denormalise (LTX-Video's and LTX-2's share them)."""
+    frames = latents.shape[1] // (h * w)
+    unpacked = pipeline_cls._unpack_latents(latents, frames, h, w, 1, 1)[:, :, :1].float()
+    return pipeline_cls._denormalize_latents(unpacked, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
 def write_tiny_ltx(folder: Path, seed: int = 0) -> None:

@@ -57,6 +57,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
 from simpletuner.models import tiny
 from simpletuner.models.base import ModelAdapter, TextEmbedding
+from simpletuner.models.ltxvideo import poster_frame
 from simpletuner.models.weights import WeightSource, explained
 
 DEFAULT_TEXT_LENGTH = 1024  # LTX2Pipeline's max_sequence_length (a multiple of the connectors' 128 registers)
@@ -338,12 +339,8 @@ class LTX2Adapter(ModelAdapter):
         return LTX2Pipeline._pack_latents(prediction, 1, 1)  # the pipeline steps its scheduler on packed tokens
 
     def preview_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Packed latents mid-denoise -> the first latent frame (the poster frame) in the VAE's raw space."""
-        h, w = height // self.resolution_multiple, width // self.resolution_multiple
-        frames = latents.shape[1] // (h * w)
-        unpacked = LTX2Pipeline._unpack_latents(latents, frames, h, w, 1, 1)[:, :, :1].float()
-        return LTX2Pipeline._denormalize_latents(unpacked, self.vae.latents_mean, self.vae.latents_std,
-                                                 self.vae.config.scaling_factor)
+        return poster_frame(LTX2Pipeline, self.vae, latents, height // self.resolution_multiple,
+                            width // self.resolution_multiple)
 
 
 def write_tiny_ltx2(folder: Path, seed: int = 0) -> None:

@@ -47,6 +47,14 @@ def family_config(family: str, **overrides):
     return load_train_config(values).config
 
 
+def loaded_adapter(family: str, **overrides):
+    """The family's adapter on its tiny flavour (or ``overrides``) with its VAE and text encoders loaded."""
+    adapter = get_adapter_class(family)(family_config(family, **overrides))
+    adapter.load_vae()
+    adapter.load_text_encoders()
+    return adapter
+
+
 def group_offload_losses(family: str, tmp_path, precision: str, flavour: str = "tiny") -> list[list[float]]:
     """The losses of two 2-step LoRA runs of a tiny video family on short clips of datasets/sample_video with a
     quantized base and gradient checkpointing: without, then with block-level group offload (one block a group)."""
@@ -152,10 +160,7 @@ class FamilyContract(_Fixtures):
 
     @pytest.fixture(scope="class")
     def adapter(self, family, flavour, tiny_dir):
-        adapter = get_adapter_class(family)(family_config(family, model_flavour=flavour))
-        adapter.load_vae()
-        adapter.load_text_encoders()
-        return adapter
+        return loaded_adapter(family, model_flavour=flavour)
 
     # ---- the checks ---------------------------------------------------------------------------------------
     def test_weight_sources_are_checked_before_anything_loads(self, family, adapter, tmp_path):

@@ -9,17 +9,14 @@ import torch
 
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.hunyuanvideo import HunyuanVideoAdapter, slice_video_rotary, slice_video_text_mask
-from tests.models.contract import family_config, group_offload_losses
+from tests.models.contract import family_config, group_offload_losses, loaded_adapter
 
 PROMPTS = ["a red circle", "a blue square on the green background, moving left"]
 
 
 @pytest.fixture(scope="module")
 def adapter(tiny_dir):
-    adapter = HunyuanVideoAdapter(family_config("hunyuanvideo"))
-    adapter.load_vae()
-    adapter.load_text_encoders()
-    return adapter
+    return loaded_adapter("hunyuanvideo")
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,14 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
 from simpletuner.models.base import TextEmbedding
 from simpletuner.models.ltxvideo2 import ConnectorOutputs, LTX2Adapter
-from tests.models.contract import family_config, group_offload_losses
+from tests.models.contract import family_config, group_offload_losses, loaded_adapter
 
 PROMPTS = ["a red circle", "a blue square on the green background, moving left"]
 
 
 @pytest.fixture(scope="module")
 def adapter(tiny_dir):
-    adapter = LTX2Adapter(family_config("ltxvideo2"))
-    adapter.load_vae()
-    adapter.load_text_encoders()
-    return adapter
+    return loaded_adapter("ltxvideo2")
 
 
 @pytest.fixture(scope="module")
