@@ -28,6 +28,7 @@ from typing import Any, Union
 from pydantic import ValidationError
 
 from .errors import ConfigError, FieldError, errors_from_validation
+from .files import write_text_atomic
 from .simpletuner_keys import ALIASES, TRAIN_KEYS, apply_rules
 from .train import TrainConfig
 from .versions import migrate
@@ -190,7 +191,6 @@ def dump_train_config(config: TrainConfig) -> dict[str, Any]:
 
 
 def write_train_config(config: TrainConfig, path: str | os.PathLike[str]) -> None:
-    """Write ``dump_train_config(config)`` to ``path`` as indented JSON (parent folders are created)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(dump_train_config(config), indent=2) + "\n", encoding="utf-8")
+    """Write ``dump_train_config(config)`` to ``path`` as indented JSON, atomically (parent folders are created;
+    a crash leaves the old file whole)."""
+    write_text_atomic(path, json.dumps(dump_train_config(config), indent=2) + "\n")

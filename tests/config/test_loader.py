@@ -54,6 +54,43 @@ def test_parse_extra_args():
     assert warnings == ["TRAINER_EXTRA_ARGS: 'stray' is not a --key or --key=value; ignored"]
 
 
+@pytest.mark.parametrize("text, parsed, ignored", [
+    ("stray --a=1 --b 2", {"a": "1", "b": "2"}, ["stray"]),  # a stray word: what follows it is still read
+    ("--a=1 --flag", {"a": "1", "flag": True}, []),  # a bare flag last: true
+    (["--x", "7", "loose", "--y"], {"x": "7", "y": True}, ["loose"]),  # a list of arguments, as the CLI passes
+])
+def test_parse_extra_args_reads_past_stray_words_and_a_last_bare_flag(text, parsed, ignored):
+    warnings: list[str] = []
+    assert parse_extra_args(text, warnings) == parsed
+    assert warnings == [f"TRAINER_EXTRA_ARGS: {word!r} is not a --key or --key=value; ignored" for word in ignored]
+
+
+def test_prepare_refuses_what_load_refuses_naming_the_key(make_config, write_json):
+    path = write_json("config.json", make_config(noise_offset=0.1))
+    with pytest.raises(ConfigError) as info:
+        prepare_train_config(path)
+    assert [e.path for e in info.value.errors] == ["noise_offset"] and info.value.source == str(path)
+    assert "0.1: is not implemented" in info.value.errors[0].message
+
+
+def test_write_train_config_is_atomic(make_config, tmp_path, monkeypatch):
+    config = load_train_config(make_config()).config
+    path = tmp_path / "deep" / "er" / "config.json"
+    write_train_config(config, path)
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("}\n") and text.startswith('{\n  "') and json.loads(text) == dump_train_config(config)
+    changed = load_train_config(make_config(), overrides={"seed": 99}).config
+
+    def crash(fd):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("os.fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        write_train_config(changed, path)
+    assert path.read_text(encoding="utf-8") == text  # the old file, whole
+    assert [p.name for p in path.parent.iterdir()] == ["config.json"]  # no temporary left
+
+
 def test_dashes_and_underscores_are_folded():
     config = load_train_config({"--model-family": "flux", "learning-rate": "3e-4", "--lora_rank": 4}).config
     assert config.learning_rate == pytest.approx(3e-4) and config.lora_rank == 4
