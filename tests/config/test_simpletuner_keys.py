@@ -99,3 +99,31 @@ def test_dataset_keys_accepted_warned_and_refused():
     errors = _errors(info.value)
     assert "'discovery'" in errors["datasets[pics].metadata_backend"]
     assert "not implemented" in errors["datasets[pics].maximum_aspect_ratio"]
+
+
+@pytest.mark.parametrize("spelling", [None, False, 0, 0.0, "", " ", "false", " FALSE ", "0", "0.0", "no", "Off",
+                                      "none", "NULL"])
+def test_every_off_spelling_of_a_key_asking_for_nothing_is_accepted(spelling):
+    """SimpleTuner's JSON and command line spell "off" many ways; each is accepted silently (push_to_hub)."""
+    assert "push_to_hub" not in " ".join(_load(push_to_hub=spelling).warnings)
+
+
+@pytest.mark.parametrize("spelling", [True, 1, "true", "on", "0.00", "nope", "n", [], {}])
+def test_a_value_that_is_not_off_is_refused(spelling):
+    with pytest.raises(ConfigError) as info:
+        _load(push_to_hub=spelling)
+    assert "hf upload" in _errors(info.value)["push_to_hub"]
+
+
+@pytest.mark.parametrize("spelling, accepted", [
+    (True, True), ("true", True), (" TRUE ", True), ("1", True), ("yes", True), ("On", True),
+    (False, False), (1, False), ("enabled", False), ("0", False), (None, False),
+])
+def test_ema_cpu_only_is_accepted_only_when_on(spelling, accepted):
+    """ema_cpu_only asks for the default (ema_device: cpu) only when it is on; off asks for the accelerator."""
+    if accepted:
+        assert "ema_cpu_only" not in " ".join(_load(ema_cpu_only=spelling).warnings)
+        return
+    with pytest.raises(ConfigError) as info:
+        _load(ema_cpu_only=spelling)
+    assert "ema_device: accelerator" in _errors(info.value)["ema_cpu_only"]
