@@ -648,3 +648,145 @@ def test_a_cancelled_job_lost_with_its_server_ends_cancelled(tmp_path, workdir):
     row = _row(fresh, job_id)
     assert (row.status, row.reason, row.exit_code) == ("cancelled", "cancelled by user (server restarted)", None)
     assert row.results == {"last_checkpoint_step": 4} and row.webhook_secret is None
+
+
+# --- the local worker's pick: which queued job this server starts, and what the claim writes -------------------
+# (in-process: real SQLite, the launch recorded instead of started)
+
+
+def _recorded_launches(mgr: JobManager, monkeypatch) -> list[tuple[int, list[str]]]:
+    from simpletuner.server.queue import Running
+
+    started: list[tuple[int, list[str]]] = []
+
+    def fake_launch(job_id, devices):
+        started.append((job_id, devices))
+        mgr.procs[job_id] = Running(job_id, 1, 1, devices, max(1, len(devices)))
+
+    monkeypatch.setattr(mgr, "_launch", fake_launch)
+    return started
+
+
+def _start_all(mgr: JobManager) -> None:
+    while mgr._start_next():
+        pass
+
+
+def test_the_local_worker_takes_queued_single_machine_jobs_by_priority_then_submission_then_id(
+        tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
+    started = _recorded_launches(mgr, monkeypatch)
+    low, high, high_earlier, tie_a, tie_b, two_machines, cancelled = _queue(mgr, 7)
+    with mgr.db.session(write=True) as s:
+        rows = {j.id: j for j in s.query(JobRow)}
+        base = rows[low].submitted_at
+        for job_id, priority, submitted in ((low, 0, base), (high, 5, base + 5), (high_earlier, 5, base - 10),
+                                            (tie_a, 1, base + 1), (tie_b, 1, base + 1), (two_machines, 9, base),
+                                            (cancelled, 9, base)):
+            rows[job_id].priority, rows[job_id].submitted_at = priority, submitted
+        rows[two_machines].num_machines = 2  # workers on other machines run it
+        rows[cancelled].status = "cancelled"
+    _start_all(mgr)
+    assert started == [(high_earlier, []), (high, []), (tie_a, []), (tie_b, []), (low, [])]  # no devices: CPU
+    assert _row(mgr, two_machines).status == "queued" and _row(mgr, cancelled).status == "cancelled"
+
+
+def test_the_local_worker_stops_at_its_concurrency_and_when_it_is_not_a_worker(tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=2)
+    started = _recorded_launches(mgr, monkeypatch)
+    first, second, third = _queue(mgr, 3)
+    assert mgr._start_next() is True and mgr._start_next() is True
+    assert mgr._start_next() is False  # two running: the limit
+    assert [j for j, _ in started] == [first, second] and _row(mgr, third).status == "queued"
+    mgr.procs.pop(first)
+    assert mgr._start_next() is True and started[-1][0] == third
+
+    off = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'off.sqlite'}", local_worker=False)
+    off_started = _recorded_launches(off, monkeypatch)
+    (waiting,) = _queue(off, 1)
+    assert off._start_next() is False and off_started == []
+    assert _row(off, waiting).status == "queued"
+
+
+def test_a_claim_starts_a_clean_attempt_owned_by_this_server(tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
+    started = _recorded_launches(mgr, monkeypatch)
+    again, fresh = _queue(mgr, 2)
+    with mgr.db.session(write=True) as s:  # a re-queued job still holds what its last attempt left
+        job = s.get(JobRow, again)
+        job.attempt, job.pid, job.pgid, job.exit_code, job.finished_at = 1, 123, 123, 1, 5.0
+        job.reason, job.error, job.log_tail, job.progress = "crashed", "Traceback", "last lines", {"step": 3}
+        job.webhook_secret, job.owner = "old-secret", "another:1:server"
+    _start_all(mgr)
+    assert [j for j, _ in started] == [again, fresh]
+    secrets_seen = set()
+    for job_id, attempt in ((again, 2), (fresh, 1)):
+        row = _row(mgr, job_id)
+        assert row.status == "running" and row.attempt == attempt
+        assert row.started_at is not None and row.heartbeat_at == row.started_at
+        assert (row.owner, row.owner_host, row.owner_pid) == (mgr.server_id, mgr.host, mgr.pid)
+        assert row.run_dir == str(mgr.run_dir_for(job_id))
+        assert (row.pid, row.pgid, row.exit_code, row.finished_at) == (None, None, None, None)
+        assert (row.reason, row.error, row.log_tail, row.progress) == (None, None, None, None)
+        assert len(row.webhook_secret) == 64 and int(row.webhook_secret, 16) >= 0
+        secrets_seen.add(row.webhook_secret)
+    assert len(secrets_seen) == 2 and "old-secret" not in secrets_seen
+
+
+def test_jobs_waiting_for_their_cache_job_let_later_jobs_start_and_a_failed_one_fails_them(
+        tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
+    started = _recorded_launches(mgr, monkeypatch)
+    cache, broken = _queue(mgr, 2)
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, cache).status = "running"  # still caching (on another machine)
+        failed = s.get(JobRow, broken)
+        failed.status, failed.reason = "failed", "out of disk"
+    waits = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
+                       priority=5).id
+    doomed = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=broken,
+                        priority=3).id
+    later = _queue(mgr, 1)[0]
+    assert mgr._start_next() is True  # the waiting job is passed over; the one whose cache job failed fails
+    row = _row(mgr, doomed)
+    assert (row.status, row.reason) == ("failed", f"cache job {broken} failed: out of disk; retry it, then this job")
+    assert row.finished_at is not None and started == []
+    with mgr.db.session() as s:
+        events = [e.data["status"] for e in s.query(JobEventRow).filter_by(job_id=doomed).order_by(JobEventRow.id)]
+    assert events == ["queued", "failed"]
+    assert mgr._start_next() is True and started == [(later, [])]
+    assert mgr._start_next() is False and _row(mgr, waits).status == "queued"
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, cache).status = "succeeded"
+    assert mgr._start_next() is True and started[-1] == (waits, [])
+
+
+def test_a_job_too_big_for_this_machine_is_left_to_the_workers_while_one_is_online(tmp_path, workdir, monkeypatch):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", accelerators=["0", "1"],
+                   max_concurrent=4)
+    started = _recorded_launches(mgr, monkeypatch)
+    monkeypatch.setattr(mgr.fleet, "online_count", lambda: 1)
+    big = _queue(mgr, 1, num_processes=3, priority=9)[0]
+    small = _queue(mgr, 1, num_processes=2)[0]
+    assert mgr._start_next() is True and started == [(small, ["0", "1"])]
+    assert mgr._start_next() is False and _row(mgr, big).status == "queued" and _row(mgr, big).reason is None
+
+
+def test_a_job_another_server_claimed_first_is_passed_over(tmp_path, workdir, monkeypatch):
+    import simpletuner.server.queue as queue_module
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
+    started = _recorded_launches(mgr, monkeypatch)
+    taken, free = _queue(mgr, 2)
+    real = queue_module.dependency_state
+
+    def meanwhile(session, job_id, depends_on):  # another server claims ``taken`` after this one read the queue
+        if job_id == taken:
+            with mgr.db.session(write=True) as s:
+                row = s.get(JobRow, taken)
+                row.status, row.owner = "running", "another:1:server"
+        return real(session, job_id, depends_on)
+
+    monkeypatch.setattr(queue_module, "dependency_state", meanwhile)
+    assert mgr._start_next() is True and started == [(free, [])]
+    assert _row(mgr, taken).owner == "another:1:server"
