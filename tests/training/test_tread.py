@@ -401,6 +401,35 @@ def test_joint_sequence_blocks_route_only_their_image_part(start, end):
     assert (x.grad.abs().sum(-1) > 0).all()  # routed-around tokens still get a gradient (through the skip)
 
 
+class _KeywordMaskModel(_JointModel):  # the joint blocks take their mask by keyword, as Chroma calls them
+    def forward(self, image, text, mask):
+        for block in self.stream:
+            text, image = block(image, text)
+        seq = torch.cat([text, image], 1)
+        for block in self.joint:
+            seq = block(seq, mask=mask)
+        return seq[:, text.shape[1]:]
+
+
+def test_a_mask_passed_by_keyword_is_routed_and_a_tuple_output_stays_a_tuple():
+    """One route ends in a stream block, whose output is a (text, image) tuple: the merged output is a tuple again.
+    One route lies in the joint blocks, which take the mask by keyword: it is sliced with the tokens, as when it is
+    passed by position."""
+    image, text, mask = _joint_inputs()
+    routes = [route(0.5, 0, 1), route(0.5, 2, 3)]
+    outputs, seen = [], {}
+    for model in (_JointModel(), _KeywordMaskModel()):
+        layout = _joint_layout(model)
+        apply_tread(model, routes, layout, generator=torch.Generator().manual_seed(4))
+        layout.blocks[1].register_forward_hook(lambda m, a, out: seen.update(stream_out=out))
+        layout.blocks[3].register_forward_pre_hook(lambda m, a, k: seen.update(joint_in=(a, k)), with_kwargs=True)
+        outputs.append(model(image.clone().requires_grad_(True), text, mask))
+    assert type(seen["stream_out"]) is tuple and seen["stream_out"][1].shape[1] == 12  # merged back whole
+    args, kwargs = seen["joint_in"]  # the keyword model's last joint block
+    assert len(args) == 1 and args[0].shape[1] == 3 + 6 and kwargs["mask"].shape == (2, 3 + 6)
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-6)  # the same as the positional mask
+
+
 def test_joint_sequence_routing_with_gradient_checkpointing_matches():
     image, text, mask = _joint_inputs()
     results = []
