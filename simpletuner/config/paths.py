@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOTS_ENV = "SIMPLETUNER_ALLOWED_ROOTS"
+KINDS = ("dir", "file", "model", "webhook", "json", "subfolder")
 # huggingface_hub's repo id rule: "name" or "org/name", no "--" or ".." and no leading/trailing "-" or ".".
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?$")
 
@@ -44,6 +45,17 @@ class PathField:
     # what a relative path is read from: "workdir" (the working dir), "output_dir" (logging_dir), or "either"
     # (resume_from_checkpoint: the working dir if it exists there, else output_dir; both readings are checked)
     base: str = "workdir"
+
+    def __post_init__(self):
+        _check_kind(self.kind)
+        if self.base not in ("workdir", "output_dir", "either"):
+            raise ValueError(f"{self.name}: unknown path base {self.base!r}; one of workdir, output_dir, either")
+
+
+def _check_kind(kind: str) -> None:
+    """A kind nobody handles would be checked as a plain folder; a misspelt one is a programming error."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown path kind {kind!r}; one of {', '.join(KINDS)}")
 
 
 def path_fields(model: Any) -> dict[str, PathField]:
@@ -102,6 +114,7 @@ def within(real: str, roots: list[Path]) -> bool:
 
 def problem(value: Any, roots: list[Path], base: str | os.PathLike[str], kind: str = "dir") -> str | None:
     """Why ``value`` may not be used as a path of this ``kind`` under ``roots``, or None when it may."""
+    _check_kind(kind)
     if value is None or value == "":
         return None
     if kind == "json" and isinstance(value, (dict, list)):

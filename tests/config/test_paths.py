@@ -133,6 +133,41 @@ def test_field_problem_reads_each_base_the_trainer_may_read_from(tree, tmp_path)
     assert paths.field_problem(latest, "sub", [root], root, out) is None
 
 
+def test_resume_latest_is_the_keyword_even_where_a_file_of_that_name_leads_outside(tree):
+    root, outside = tree
+    out = root / "runs" / "out"
+    out.mkdir(parents=True)
+    (root / "latest").symlink_to(outside)
+    (out / "latest").symlink_to(outside)
+    resume = paths.PathField("resume_from_checkpoint", "dir", "either")
+    assert paths.field_problem(resume, "latest", [root], root, out) is None  # the newest checkpoint, not the link
+    assert "outside" in paths.field_problem(resume, "latest/", [root], root, out)
+
+
+def test_field_problem_judges_a_field_by_its_kind(tree):
+    root, _ = tree
+    name = paths.PathField("pretrained_transformer_subfolder", "subfolder")
+    # inside the roots as a folder, but a subfolder name may not climb
+    assert paths.problem("sub/../org", [root], root, "dir") is None
+    assert "plain relative name" in paths.field_problem(name, "sub/../org", [root], root, None)
+
+
+@pytest.mark.parametrize("call", [
+    lambda root: paths.problem("x", [root], root, "flie"),
+    lambda root: paths.check("output_dir", "x", [root], root, "folder"),
+    lambda root: paths.PathField("output_dir", "directory"),
+])
+def test_an_unknown_path_kind_is_a_programming_error_not_a_folder(tree, call):
+    with pytest.raises(ValueError, match="unknown path kind '[a-z]+'; one of dir, file, model, webhook, json, "
+                                         "subfolder"):
+        call(tree[0])
+
+
+def test_an_unknown_path_base_is_refused():
+    with pytest.raises(ValueError, match="logging_dir: unknown path base 'output'; one of workdir, output_dir, either"):
+        paths.PathField("logging_dir", "dir", "output")
+
+
 def test_check_raises_naming_the_field(tree):
     root, _ = tree
     paths.check("output_dir", "sub", [root], root)
