@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from simpletuner.config.families import ModelFamily, get_family, registered, tiny_flavours
+from simpletuner.config.families import ModelFamily, family_option_errors, get_family, registered, tiny_flavours
 
 
 def _family(**changes) -> ModelFamily:
@@ -62,3 +62,27 @@ def test_a_registered_family_is_in_the_table_only_for_the_duration():
         assert get_family("toy") is family  # the refused registration took nothing away
     with pytest.raises(Exception, match="'toy' is not a known model family"):
         get_family("toy")
+
+
+def test_options_a_family_does_not_declare_are_refused_by_field():
+    family = _family(objectives=("flow_matching", "epsilon"), max_text_length=77, num_text_encoders=2)
+    fine = dict(lora_target="all", prediction_type="epsilon", guidance_value=None, tokenizer_max_length=77,
+                attention_masked_training=False, text_encoder_2_precision="int8-quanto",
+                text_encoder_3_precision="no_change")
+    assert family_option_errors(family, fine) == []
+    errors = family_option_errors(family, dict(
+        lora_target="mlp", prediction_type="v_prediction", guidance_value=3.5, tokenizer_max_length=78,
+        attention_masked_training=True, text_encoder_3_precision="int8-quanto", text_encoder_4_precision="fp8"))
+    assert errors == [
+        ("lora_target", "'mlp' is not a toy LoRA preset; one of all, attn"),
+        ("prediction_type", "'v_prediction' is not how toy is trained; one of flow_matching, epsilon"),
+        ("guidance_value", "toy has no guidance embedding to feed during training; remove it (validation_guidance "
+                           "sets inference CFG)"),
+        ("tokenizer_max_length", "78 is longer than toy's text encoder takes (77 tokens)"),
+        ("attention_masked_training", "toy's transformer cannot mask text tokens in attention; remove it"),
+        ("text_encoder_3_precision", "toy has 2 text encoder(s); there is no text encoder 3 to quantize"),
+        ("text_encoder_4_precision", "toy has 2 text encoder(s); there is no text encoder 4 to quantize"),
+    ]
+    able = _family(guidance_embeds=True, text_attention_mask=True)  # max_text_length None: any length
+    assert family_option_errors(able, dict(guidance_value=3.5, attention_masked_training=True,
+                                           tokenizer_max_length=4096)) == []

@@ -14,7 +14,7 @@ from simpletuner.config import (
     prepare_train_config,
     write_train_config,
 )
-from simpletuner.config.loader import parse_extra_args
+from simpletuner.config.loader import parse_extra_args, read_json
 
 
 def test_simpletuner_config_validates(make_config):
@@ -137,6 +137,22 @@ def test_missing_file_and_wrong_top_level(tmp_path):
     path.write_text("[]")
     with pytest.raises(ConfigError, match="expected a JSON object of settings, got list"):
         load_train_config(path)
+
+
+def test_a_file_that_cannot_be_read_is_one_error_on_the_file_itself(tmp_path):
+    """Missing, unreadable or not JSON: one error with no field path (it is the file's), saying which."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1,,}')
+    folder = tmp_path / "a-folder.json"
+    folder.mkdir()
+    for path, message in ((tmp_path / "nope.json", "file not found"),
+                          (folder, "cannot be read: Is a directory"),
+                          (bad, "not valid JSON: Expecting property name enclosed in double quotes (line 1, "
+                                "column 9)")):
+        with pytest.raises(ConfigError) as info:
+            read_json(path)
+        assert info.value.errors == [("", message)] and info.value.source == str(path)
+        assert str(info.value) == f"{path}: {message}"
 
 
 def test_errors_from_a_file_are_attributed_to_it(write_json):
