@@ -790,3 +790,18 @@ def test_a_job_another_server_claimed_first_is_passed_over(tmp_path, workdir, mo
     monkeypatch.setattr(queue_module, "dependency_state", meanwhile)
     assert mgr._start_next() is True and started == [(free, [])]
     assert _row(mgr, taken).owner == "another:1:server"
+
+
+def test_failing_a_queued_job_leaves_one_that_changed_meanwhile(tmp_path, workdir):
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    started, cancelled = _queue(mgr, 2)
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, started).status = "running"  # another server claimed it
+        job = s.get(JobRow, cancelled)
+        job.status, job.reason = "cancelled", "cancelled before it started"
+    for job_id in (started, cancelled):
+        mgr._fail_queued(job_id, "cache job 1 failed")
+    assert (_row(mgr, started).status, _row(mgr, started).reason) == ("running", None)
+    assert (_row(mgr, cancelled).status, _row(mgr, cancelled).reason) == ("cancelled", "cancelled before it started")
+    with mgr.db.session() as s:
+        assert [e.data["status"] for e in s.query(JobEventRow).order_by(JobEventRow.id)] == ["queued", "queued"]
