@@ -35,7 +35,7 @@ NICE="${MUTATION_NICE:-10}"
 
 # name | files to mutate (globs, space-separated) | the tests that guard them (space-separated)
 TABLE=(
-  "config|simpletuner/config/coerce.py simpletuner/config/versions.py simpletuner/config/train.py simpletuner/config/data.py simpletuner/config/loader.py simpletuner/config/errors.py simpletuner/config/files.py simpletuner/config/families.py simpletuner/config/simpletuner_keys.py simpletuner/config/requirements.py simpletuner/config/cli.py|tests/config"
+  "config|simpletuner/config/coerce.py simpletuner/config/versions.py simpletuner/config/train.py simpletuner/config/data.py simpletuner/config/loader.py simpletuner/config/errors.py simpletuner/config/files.py simpletuner/config/families.py simpletuner/config/simpletuner_keys.py simpletuner/config/requirements.py simpletuner/config/cli.py simpletuner/config/wizard.py|tests/config"
   "paths|simpletuner/config/paths.py simpletuner/training/paths.py|tests/config/test_paths.py tests/training/test_run_paths.py tests/security tests/config/test_loader.py"
   "queue|simpletuner/server/queue.py|tests/server/test_queue.py tests/server/test_retry.py"
   "checkpoint|simpletuner/training/checkpoint.py|tests/training/test_checkpoint.py"
