@@ -127,3 +127,13 @@ def test_ema_cpu_only_is_accepted_only_when_on(spelling, accepted):
     with pytest.raises(ConfigError) as info:
         _load(ema_cpu_only=spelling)
     assert "ema_device: accelerator" in _errors(info.value)["ema_cpu_only"]
+
+
+def test_equals_compares_numbers_as_numbers_and_text_without_case():
+    from simpletuner.config.simpletuner_keys import _equals
+
+    one, uniform, both = _equals(1), _equals("uniform"), _equals(1e-7, "auto")
+    assert one(1) and one(1.0) and one("1") and one(" 1.0 ") and one(0) and one("off") and one(None)  # off: accepted
+    assert not one(2) and not one("one") and not one([1]) and not one("1e-7")
+    assert uniform(" Uniform ") and uniform("") and not uniform("uniformly") and not uniform(1)
+    assert both(1e-7) and both("1e-07") and both("AUTO") and not both("1e-6") and not both(True)
