@@ -86,3 +86,13 @@ def test_options_a_family_does_not_declare_are_refused_by_field():
     able = _family(guidance_embeds=True, text_attention_mask=True)  # max_text_length None: any length
     assert family_option_errors(able, dict(guidance_value=3.5, attention_masked_training=True,
                                            tokenizer_max_length=4096)) == []
+
+
+def test_an_unknown_family_lists_the_available_ones():
+    from simpletuner.config import ConfigError, family_names
+
+    for name, opening in (("nope", "'nope' is not a known model family"),
+                          ("sd2x", "'sd2x' is a SimpleTuner family that is planned but not supported yet")):
+        with pytest.raises(ConfigError) as info:
+            get_family(name)
+        assert info.value.errors == [("model_family", f"{opening}; available: {', '.join(family_names())}")]

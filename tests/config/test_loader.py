@@ -187,3 +187,38 @@ def test_prepare_returns_normalised_values(make_config):
     assert values["data_backend_config"] == "config/multidatabackend.json"
     assert values["config_version"] == CURRENT_CONFIG_VERSION and "flux_schedule_shift" not in values
     assert source is None and warnings
+
+
+def test_key_spellings_and_trainer_extra_args_in_the_file(write_json):
+    loaded = load_train_config({"model_family": "flux", "--": 1, "--TRAINER_EXTRA_ARGS": "--seed 7 stray",
+                                "lora_rank": 8, "vae_dtype": "bf16"}, overrides={"": 2})
+    assert (loaded.config.seed, loaded.config.lora_rank) == (7, 8)  # keys after TRAINER_EXTRA_ARGS still read
+    assert "'--': empty key ignored" in loaded.warnings and "'': empty key ignored" in loaded.warnings
+    assert "TRAINER_EXTRA_ARGS: 'stray' is not a --key or --key=value; ignored" in loaded.warnings
+    assert "vae_dtype: unknown key, ignored" in loaded.warnings  # nothing close enough to suggest
+
+
+@pytest.mark.parametrize("raw, error", [
+    ({"model_family": "flux", 1: "x"}, ("1", "keys must be strings")),
+    ({"model_family": "flux", "TRAINER_EXTRA_ARGS": 5},
+     ("TRAINER_EXTRA_ARGS", "expected a string of --key=value arguments, got 5")),
+    ({"model_family": "flux", "--seed": 1, "seed": 2},
+     ("seed", "given twice with different values (as '--seed': 1 and 'seed': 2)")),
+])
+def test_key_errors_are_pinned_whole(raw, error):
+    with pytest.raises(ConfigError) as info:
+        load_train_config(raw)
+    assert info.value.errors == [error]
+
+
+def test_errors_before_and_after_validation_name_the_file(write_json):
+    twice = write_json("twice.json", {"model_family": "flux", "--seed": 1, "seed": 2})
+    refused = write_json("refused.json", {"model_family": "flux", "noise_offset": 0.1})
+    listed = write_json("list.json", [1])
+    for path in (twice, refused, listed):
+        with pytest.raises(ConfigError) as info:
+            load_train_config(path)
+        assert info.value.source == str(path) and str(info.value).startswith(f"{path}: ")
+    with pytest.raises(ConfigError) as info:
+        load_train_config(listed)
+    assert info.value.errors == [("", "expected a JSON object of settings, got list")]

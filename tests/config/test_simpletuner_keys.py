@@ -137,3 +137,13 @@ def test_equals_compares_numbers_as_numbers_and_text_without_case():
     assert not one(2) and not one("one") and not one([1]) and not one("1e-7")
     assert uniform(" Uniform ") and uniform("") and not uniform("uniformly") and not uniform(1)
     assert both(1e-7) and both("1e-07") and both("AUTO") and not both("1e-6") and not both(True)
+
+
+def test_apply_rules_goes_on_past_an_accepted_key():
+    from simpletuner.config.simpletuner_keys import apply_rules
+
+    rest, errors, warnings = apply_rules({"push_to_hub": False, "lora_rank": 4, "allow_tf32": True, "seed": 1,
+                                          "noise_offset": 0.5}, TRAIN_KEYS, prefix="x.")
+    assert rest == {"lora_rank": 4, "seed": 1}
+    assert errors == [("x.noise_offset", "0.5: " + TRAIN_KEYS["noise_offset"].message)]
+    assert warnings == ["x.allow_tf32: " + TRAIN_KEYS["allow_tf32"].message]
