@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from simpletuner.data.cache import TensorCache, fill_latent_cache, fill_text_cache, latent_key, text_key
@@ -372,3 +373,63 @@ def test_ranks_share_the_captions_without_overlap(tmp_path):
     assert [fill_text_cache(captions, adapters[rank], cache, 8, show_progress=False, shard=(rank, 2))
             for rank in (0, 1)] == [3, 1]
     assert adapters[0].calls == [["a", "ccc", "eeeee"]] and adapters[1].calls == [["dddd"]]
+
+
+class ReferencePromptAdapter(CountingAdapter):
+    """A family whose prompt embedding sees the image it edits: the stand-in adds the image's mean to each value."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def encode_text(self, prompts, pixels, negative=False):
+        self.calls.append((list(prompts), [round(float(p.mean()), 4) for p in pixels], negative))
+        return [TextEmbedding({"prompt_embeds": torch.full((2, 3), len(p) + float(x.mean()))})
+                for p, x in zip(prompts, pixels)]
+
+
+def test_captions_are_encoded_with_their_reference_images_one_entry_per_pair(tmp_path):
+    from simpletuner.data.discovery import load_pixels
+
+    dark, light = make_sample(tmp_path / "dark.png", color=(0, 0, 0)), make_sample(tmp_path / "light.png",
+                                                                                   color=(255, 255, 255))
+    means = {s.path: round(float(load_pixels(s).mean()), 4) for s in (dark, light)}
+    assert means[dark.path] != means[light.path]
+    adapter, cache = ReferencePromptAdapter(), TensorCache(tmp_path / "text")
+    captions, references = ["make it red", "make it red", "flip", "flip"], [dark, light, dark, dark]
+    assert fill_text_cache(captions, adapter, cache, 2, show_progress=False, references=references) == 3
+    keys = {(c, r.path): text_key(c, "te-v1", r) for c, r in zip(captions, references)}
+    assert len(set(keys.values())) == 3 and text_key("flip", "te-v1") not in keys.values()
+    # batches by caption (then key), each caption with its own reference's pixels
+    red = sorted([("make it red", dark), ("make it red", light)], key=lambda cr: keys[(cr[0], cr[1].path)])
+    assert adapter.calls == [(["flip", red[0][0]], [means[dark.path], means[red[0][1].path]], False),
+                             ([red[1][0]], [means[red[1][1].path]], False)]
+    for (caption, path), key in keys.items():
+        assert cache.load(key)["prompt_embeds"][0, 0] == pytest.approx(len(caption) + means[path])
+    assert fill_text_cache(captions, adapter, cache, 2, show_progress=False, references=references) == 0
+    assert fill_text_cache(["flip"], adapter, cache, 2, show_progress=False, references=[dark], negative=True) == 1
+    assert adapter.calls[-1] == (["flip"], [means[dark.path]], True)
+    assert cache.has(text_key("flip", "te-v1|negative", dark))
+
+
+def test_progress_bars_show_by_default_and_only_when_there_is_work(tmp_path, capsys):
+    from simpletuner.data.cache import fill_mask_cache
+
+    samples = [make_sample(tmp_path / f"{i}.png", color=(i, 0, 0)) for i in range(3)]
+    adapter = CountingAdapter()
+    assert fill_latent_cache({str(tmp_path / "vae"): samples}, adapter, 2) == 3
+    assert fill_text_cache(["a", "b", "c"], adapter, TensorCache(tmp_path / "text"), 2) == 3
+    assert fill_mask_cache({str(tmp_path / "masks"): samples}, 8) == 3
+    shown = capsys.readouterr().err
+    assert "Caching VAE latents: 100%" in shown and "3/3" in shown
+    assert "Caching text embeds: 100%" in shown and "2/2" in shown  # batches of two
+    assert "Caching loss masks: 100%" in shown
+    assert fill_latent_cache({str(tmp_path / "vae"): samples}, adapter, 2) == 0  # all cached: no bar
+    assert fill_text_cache(["a", "b", "c"], adapter, TensorCache(tmp_path / "text"), 2) == 0
+    assert fill_mask_cache({str(tmp_path / "masks"): samples}, 8) == 0
+    assert capsys.readouterr().err == ""
+    more = [make_sample(tmp_path / "more.png", color=(9, 9, 9))]
+    assert fill_latent_cache({str(tmp_path / "vae"): more}, adapter, 2, show_progress=False) == 1
+    assert fill_text_cache(["d"], adapter, TensorCache(tmp_path / "text"), 2, show_progress=False) == 1
+    assert fill_mask_cache({str(tmp_path / "masks"): more}, 8, show_progress=False) == 1
+    assert capsys.readouterr().err == ""  # asked for none
