@@ -136,6 +136,8 @@ def test_a_save_writes_a_temp_file_beside_the_entry_and_leaves_nothing_when_it_f
     cache.save(key, {"x": torch.ones(2)})
     (tmp,) = seen
     assert os.path.dirname(tmp) == str(cache.path(key).parent)  # same folder: the rename is atomic
+    # a crash's leftover is a hidden temp file, never taken for an entry (<key>.safetensors)
+    assert os.path.basename(tmp).startswith(".tmp-") and tmp.endswith(".safetensors")
     assert not os.path.exists(tmp) and cache.has(key)
 
     def failing(tensors, filename):
@@ -178,7 +180,7 @@ def test_damaged_entries_are_removed_with_a_warning_and_named_on_load(tmp_path, 
     cache.path(key).write_bytes(b"\x00" * 10)
     with caplog.at_level("WARNING", logger="simpletuner.cache"):
         assert cache.has(key) is False
-    assert f"{cache.path(key)}: damaged cache entry; encoding it again" in caplog.text
+    assert caplog.messages == [f"{cache.path(key)}: damaged cache entry; encoding it again"]
     assert not cache.path(key).exists() and cache.has(key) is False
     cache.path(key).write_bytes(b"\x00" * 10)
     try:
@@ -433,3 +435,19 @@ def test_progress_bars_show_by_default_and_only_when_there_is_work(tmp_path, cap
     assert fill_text_cache(["d"], adapter, TensorCache(tmp_path / "text"), 2, show_progress=False) == 1
     assert fill_mask_cache({str(tmp_path / "masks"): more}, 8, show_progress=False) == 1
     assert capsys.readouterr().err == ""  # asked for none
+
+
+def test_a_damaged_entry_another_rank_removed_first_is_no_error(tmp_path, monkeypatch):
+    """Two ranks filling one cache find the same damaged entry; the one that removes it second must not fail."""
+    import simpletuner.data.cache as cache_module
+
+    cache = TensorCache(tmp_path)
+    key = text_key("a", "te")
+    cache.save(key, {"x": torch.ones(2)})
+
+    def checked_while_the_other_rank_removes_it(path):
+        path.unlink()
+        return False
+
+    monkeypatch.setattr(cache_module, "safetensors_intact", checked_while_the_other_rank_removes_it)
+    assert cache.has(key) is False and not cache.path(key).exists()
