@@ -451,3 +451,16 @@ def test_a_damaged_entry_another_rank_removed_first_is_no_error(tmp_path, monkey
 
     monkeypatch.setattr(cache_module, "safetensors_intact", checked_while_the_other_rank_removes_it)
     assert cache.has(key) is False and not cache.path(key).exists()
+
+
+def test_an_unreadable_image_neither_cuts_its_batch_short_nor_miscounts_the_progress(tmp_path, capsys):
+    good = [make_sample(tmp_path / f"g{i}.png", color=(i, 0, 0)) for i in range(3)]
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    bad = Sample(**{**good[0].__dict__, "path": str(tmp_path / "bad.png")})
+    adapter, unreadable, progress = BatchRecordingAdapter(), [], []
+    assert fill_latent_cache({str(tmp_path / "c"): [good[0], bad, good[1], good[2]]}, adapter, 4,
+                             unreadable=unreadable, on_progress=lambda done, total: progress.append((done, total))) == 3
+    assert adapter.batches == [(3, 3, 64, 64)] and [s.path for s, _ in unreadable] == [bad.path]
+    assert progress == [(4, 4)]
+    bar = capsys.readouterr().err
+    assert "Caching VAE latents: 100%" in bar and "4/4" in bar and "5/4" not in bar
