@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sqlalchemy import exists
+from sqlalchemy.orm import aliased
+
 from simpletuner.config.split import cache_manifest_path
 
 from .db import FINISHED, JobRow
@@ -58,6 +61,13 @@ def check_dependency(session, *, kind: str, depends_on: int | None, frozen: dict
         return [f"depends_on: train_from_cache is not set, so this job loads the encoders itself (the entries cache "
                 f"job {depends_on} wrote are reused); set train_from_cache: true to train from its cache alone"]
     return []
+
+
+def waiting_for_cache_job():
+    """SQL condition on ``JobRow``: its cache job exists and has not finished (``dependency_state``'s "waiting").
+    The schedulers leave these out of their scan, so any number of waiting jobs never hides one that can start."""
+    dep = aliased(JobRow)
+    return exists().where(dep.id == JobRow.depends_on, dep.status.not_in(FINISHED))
 
 
 def dependency_state(session, job_id: int, depends_on: int | None) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ from simpletuner.config.launch import LaunchSpec, accelerate_command
 from . import rundir
 from .broker import EventBroker
 from .db import FINISHED, Database, JobEventRow, JobRow, now
-from .pairs import dependency_state
+from .pairs import dependency_state, waiting_for_cache_job
 from .settings import ServerSettings, hostname
 from .validation import _canon, absolutize_backends
 from .workers import WORKER_PREFIX, Fleet
@@ -385,17 +385,18 @@ class JobManager:
             return False
         free = self._free_devices()
         with self.db.session() as s:
+            # the whole queue, less the jobs still waiting for their cache job: a window of the first N would let N
+            # waiting jobs (or N too big for this machine) hide the cache job they wait for
             candidates = s.execute(
                 select(JobRow.id, JobRow.num_processes, JobRow.depends_on)
-                .where(JobRow.status == "queued", JobRow.num_machines <= 1)
+                .where(JobRow.status == "queued", JobRow.num_machines <= 1, ~waiting_for_cache_job())
                 .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id)
-                .limit(20)
             ).all()
         for job_id, num_processes, depends_on in candidates:
             with self.db.session() as s:
                 state, why = dependency_state(s, job_id, depends_on)
             if state == "waiting":
-                continue  # its cache job has not finished; jobs behind it may start
+                continue  # its cache job was re-queued since the scan; jobs behind it may start
             if state == "failed":
                 self._fail_queued(job_id, why)
                 return True

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from . import rundir
 from .db import Base, JobRow, now
-from .pairs import dependency_state
+from .pairs import dependency_state, waiting_for_cache_job
 
 logger = logging.getLogger("simpletuner.server.workers")
 
@@ -298,8 +298,8 @@ class Fleet:
         with self.db.session() as s:
             candidates = s.execute(
                 select(JobRow.id, JobRow.num_processes, JobRow.num_machines, JobRow.depends_on)
-                .where(JobRow.status == "queued")
-                .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id).limit(20)).all()
+                .where(JobRow.status == "queued", ~waiting_for_cache_job())  # the whole queue: see _start_next
+                .order_by(JobRow.priority.desc(), JobRow.submitted_at, JobRow.id)).all()
             others = list(s.scalars(select(WorkerRow).where(
                 WorkerRow.status == "online", WorkerRow.lease_expires_at > now(), WorkerRow.id != worker_id)))
         for job_id, processes, machines, depends_on in candidates:

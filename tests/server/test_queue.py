@@ -805,3 +805,23 @@ def test_failing_a_queued_job_leaves_one_that_changed_meanwhile(tmp_path, workdi
     assert (_row(mgr, cancelled).status, _row(mgr, cancelled).reason) == ("cancelled", "cancelled before it started")
     with mgr.db.session() as s:
         assert [e.data["status"] for e in s.query(JobEventRow).order_by(JobEventRow.id)] == ["queued", "queued"]
+
+
+def test_any_number_of_jobs_waiting_for_a_cache_job_never_hide_it_from_the_local_worker(tmp_path, workdir,
+                                                                                         monkeypatch):
+    """Jobs ahead of their own cache job by priority, more than one scan used to read (20), or ahead of it and too
+    big for this machine while workers are online: the cache job still starts."""
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100,
+                   accelerators=["0"])
+    started = _recorded_launches(mgr, monkeypatch)
+    (cache,) = _queue(mgr, 1)
+    waiting = [mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
+                          priority=5).id for _ in range(25)]
+    assert mgr._start_next() is True and started == [(cache, ["0"])]
+    assert {_row(mgr, j).status for j in waiting} == {"queued"}
+    mgr.procs.clear()
+    monkeypatch.setattr(mgr.fleet, "online_count", lambda: 1)
+    too_big = _queue(mgr, 25, num_processes=2, priority=3)
+    (small,) = _queue(mgr, 1)
+    assert mgr._start_next() is True and started[-1] == (small, ["0"])  # the big ones are left to the workers
+    assert {_row(mgr, j).status for j in too_big} == {"queued"}

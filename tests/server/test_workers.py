@@ -163,3 +163,16 @@ def test_a_worker_runs_a_cache_job_as_stage_1_and_its_train_job_only_after_it(ap
            headers=_as(token))
     claim = _claim(c, token, worker).json()
     assert (claim["job_id"], claim["module"]) == (train, "simpletuner.train")
+
+
+def test_any_number_of_jobs_waiting_for_a_cache_job_never_hide_it_from_a_worker(app_client):
+    """More train jobs than one scan used to read (20), all ahead of their own cache job by priority: the worker
+    still finds the cache job (the queue would otherwise wait forever)."""
+    c = app_client
+    token = _token(c)
+    worker = _register(c, token, "w1", slots=2)
+    cache = _submit(c, kind="cache")
+    waiting = [_submit(c, depends_on=cache, priority=5, train={"train_from_cache": True}) for _ in range(25)]
+    claim = _claim(c, token, worker).json()
+    assert (claim["job_id"], claim["module"]) == (cache, "simpletuner.cache")
+    assert {c.get(f"/api/jobs/{j}").json()["status"] for j in waiting} == {"queued"}
