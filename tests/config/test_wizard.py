@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from simpletuner.config import load_data_backends, load_train_config, wizard
+from simpletuner.config.errors import FieldError
 from simpletuner.config.versions import CURRENT_CONFIG_VERSION
 from tests.conftest import REPO
 
@@ -211,3 +212,132 @@ def test_run_with_other_paths_and_an_aborted_session_writes_nothing(pics, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("\nerror: --resolution '-5': ") and err.endswith("; nothing written\n")
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_video_family_counts_videos_and_a_real_flavour_suggests_real_settings(tmp_path, monkeypatch):
+    shutil.copytree(REPO / "datasets" / "sample_video", tmp_path / "clips")
+    monkeypatch.chdir(tmp_path)
+    session = Session(["ltxvideo", "", "", "", "", "", "no", "clips", "", "", ""])
+    answers, entry = session.wizard().run()
+    assert wizard.folder_facts("clips", video=True) == (7, 7) and wizard.folder_facts("clips") != (7, 7)
+    assert session.printed == ["  found 7 videos and images, 7 with a .txt caption"]
+    assert session.prompts[0] == f"Model family ({', '.join(wizard.family_names())}) [flux]: "
+    assert "Mixed precision (no, bf16, fp16) [bf16]: " in session.prompts  # real weights: bf16 at 1024
+    assert "Resolution (pixels) [1024]: " in session.prompts
+    assert answers["model_flavour"] == "0.9.5" and answers["resolution"] == 1024 and entry["instance_data_dir"] == "clips"
+
+
+def test_with_no_captions_the_prompt_suggests_filename(pics, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(next(pics.glob("*.png")), bare / "only.png")
+    session = Session(["", "tiny", "", "", "", "", "", "bare", "", "", ""])
+    session.wizard().run()
+    assert "Caption strategy (filename, textfile, instanceprompt) [filename]: " in session.prompts
+
+
+def test_the_instance_prompt_can_come_from_its_flag(pics):
+    given = {"model_flavour": "tiny", "instance_data_dir": "my pics", "caption_strategy": "instanceprompt",
+             "instance_prompt": "a photo of sks"}
+    session = Session(["", "", "", "", "", "", "", ""])
+    _, entry = session.wizard(given=given).run()
+    assert entry["instance_prompt"] == "a photo of sks"
+    assert "Instance prompt (caption of every image): a photo of sks (--instance-prompt)" in session.printed
+    assert not [p for p in session.prompts if p.startswith("Instance prompt")]
+
+
+def test_checks_parse_a_value_alone_and_name_only_their_own_errors():
+    assert wizard.check_train_field({}, "lora_rank", "4") == (4, None)  # parsed, with a family filled in
+    assert wizard.check_train_field({}, "max_train_steps", "5") == (5, None)
+    assert wizard.check_dataset_field({}, "repeats", "3") == (3, None)
+    value, error = wizard.check_train_field({}, "lora_rank", "four")
+    assert value is None and error and "four" in error
+    errors = [FieldError("a", "one"), FieldError("a.b", "two"), FieldError("a[0]", "three"),
+              FieldError("ab", "not a's"), FieldError("b.a", "not a's either")]
+    assert wizard._matching(errors, "a") == ["one", "two", "three"]
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_piped_answer_is_echoed_so_the_session_reads_as_typed(monkeypatch, capsys, tty):
+    import sys
+
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "my answer")
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: tty, raising=False)
+    assert wizard._read_line("Question [x]: ") == "my answer" and asked == ["Question [x]: "]
+    assert capsys.readouterr().out == ("" if tty else "my answer\n")
+
+
+def test_run_with_yes_stops_at_an_invalid_default_and_typed_input_that_ends(pics, tmp_path, capsys, monkeypatch):
+    assert wizard.run(_args("--yes", "--flavour", "tiny")) == 1
+    assert capsys.readouterr().err == ("\nerror: the default for 'Dataset folder (images)' is invalid: folder "
+                                       "'datasets/my-images' does not exist; nothing written\n")
+    monkeypatch.setattr(wizard.Wizard, "__init__", _reading_nothing(wizard.Wizard.__init__))
+    assert wizard.run(_args("--flavour", "tiny")) == 1
+    assert capsys.readouterr().err == "\nerror: input ended before the wizard finished; nothing written\n"
+    assert not (tmp_path / "config").exists()
+
+
+def _reading_nothing(init):
+    def patched(self, *args, **kw):
+        init(self, *args, **kw)
+
+        def ended(prompt):
+            raise EOFError
+
+        self.read = ended
+
+    return patched
+
+
+def test_run_refuses_answers_that_do_not_form_a_valid_config_and_reports_a_failed_validation(pics, tmp_path, capsys,
+                                                                                             monkeypatch):
+    import simpletuner.config.cli as cli
+
+    real_build = wizard.build_files
+
+    def clashing(answers, entry, path):  # two datasets with one id: each answer was fine, together they are not
+        config, backends = real_build(answers, entry, path)
+        return config, [backends[0], dict(backends[0]), backends[1]]
+
+    monkeypatch.setattr(wizard, "build_files", clashing)
+    assert wizard.run(_args(*FLAGS)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the answers do not form a valid config:\n") and "my-pics" in err
+    assert not (tmp_path / "config").exists()
+    monkeypatch.setattr(wizard, "build_files", real_build)
+
+    real_validate = cli.validate_files
+
+    def failing(config_path, data_path):
+        report = real_validate(config_path, data_path)
+        report.errors.append(("multidatabackend.json", "datasets[my-pics]: a problem only the full check sees"))
+        return report
+
+    monkeypatch.setattr(cli, "validate_files", failing)
+    assert wizard.run(_args(*FLAGS)) == 1
+    out = capsys.readouterr().out
+    assert "simpletuner validate --config config/config.json" in out
+    assert out.rstrip().endswith("fix the errors above, then: simpletuner train --config config/config.json")
+    assert (tmp_path / "config" / "config.json").read_text().startswith('{\n  "config_version": ')
+
+
+def test_every_option_spelling_and_the_help(capsys):
+    args = _args("--config-dir", "a", "--data-backend-config", "b.json", "-y", "--force")
+    assert (args.config_dir, args.data_backend_config, args.yes, args.force, args.config) == ("a", "b.json", True,
+                                                                                                True, None)
+    args = _args("--config_dir", "c", "--data_backend_config", "d.json", "--yes", "--config", "e.json")
+    assert (args.config_dir, args.data_backend_config, args.yes, args.force, args.config) == ("c", "d.json", True,
+                                                                                                False, "e.json")
+    defaults = _args()
+    assert (defaults.config_dir, defaults.yes, defaults.force) == ("config", False, False)
+    assert all(getattr(defaults, f"answer_{key}") is None for key in wizard.FLAGS)
+    with pytest.raises(SystemExit):
+        _args("--help")
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "answers: each answers one question, which is then not asked" in shown
+    assert "--family MODEL_FAMILY model family (model_family)" in shown
+    assert "config.json path (default: CONFIG_DIR/config.json)" in shown
+    assert "multidatabackend.json path (default: CONFIG_DIR/multidatabackend.json)" in shown
+    assert "folder for config.json and multidatabackend.json (default: config)" in shown
+    assert "--force overwrite existing files" in shown and "--yes, -y accept every default without asking" in shown
