@@ -245,6 +245,14 @@ def test_config_paths_yields_every_path_field_with_its_value():
     assert found["output_dir"] == ("runs/a", "dir")
     assert "resume_from_checkpoint" not in found  # "latest" names no folder
     assert "webhook_config" not in found  # parsed already: nothing to open
+    # every other path field, set or not (the ones after resume_from_checkpoint too), less JSON fields not given as text
+    every = {name for name, spec in paths.path_fields(TrainConfig).items()
+             if spec.kind not in ("webhook", "json") and name != "resume_from_checkpoint"}
+    assert {f for f in found if not f.startswith("datasets[")} == every
+    assert found["init_lora"] == (None, "file") and found["logging_dir"][1] == "dir"
+    parsed = config.model_copy(update={"lycoris_config": {"algo": "lokr"}, "deepspeed_config": "ds.json"})
+    kinds = {field: value for field, value, _ in paths.config_paths(parsed)}
+    assert "lycoris_config" not in kinds and kinds["deepspeed_config"] == "ds.json"  # JSON objects: nothing to open
     assert found["datasets[d].instance_data_dir"] == ("imgs", "dir")
     assert found["datasets[d].cache_dir_vae"] == ("cache/vae", "dir")
     assert found["datasets[te].cache_dir"] == ("cache/text", "dir")
@@ -262,3 +270,34 @@ def test_config_paths_yields_every_path_field_with_its_value():
     assert found["resume_from_checkpoint"][0] == "runs/a/checkpoint-5"
     assert found["distillation.prompt_file"] == ("prompts.txt", paths.PathField("distillation.prompt_file", "file"))
     assert found["distillation.student_init"][0] is None and found["distillation.pairs_cache_dir"][0] == "pc"
+
+
+def test_an_empty_value_is_unset_and_inline_json_is_no_file(tree, tmp_path):
+    root, outside = tree
+    sub = [root / "sub"]  # the base (root) is outside these roots: any path read from it is refused
+    assert paths.problem("", sub, root) is None and paths.problem(None, sub, root, "file") is None
+    for kind in ("webhook", "json"):
+        for text in ('{"callback_url": "http://x"}', '  [1, 2]', '\n{"a": 1}'):
+            assert paths.problem(text, sub, root, kind) is None, (kind, text)
+        assert "outside the allowed roots" in paths.problem("hook.json", sub, root, kind)
+    assert "outside the allowed roots" in paths.problem('{"a": 1}', sub, root, "file")  # a file may not be JSON
+    two = [root / "sub", outside / "in"]
+    assert paths.problem("x", two, root) == f"'x' resolves to {root / 'x'}, outside the allowed roots ({root / 'sub'}, {outside / 'in'})"
+
+
+def test_nested_blocks_keep_each_fields_base():
+    from typing import Optional
+
+    from pydantic import BaseModel, Field
+
+    class Block(BaseModel):
+        report: str | None = Field(None, json_schema_extra={"path": "file", "path_base": "output_dir"})
+        source: str | None = Field(None, json_schema_extra={"path": "dir"})
+
+    class Config(BaseModel):
+        block: Optional[Block] = None
+        name: str = "x"
+
+    assert paths.nested_path_fields(Config) == {"block": {
+        "report": paths.PathField("block.report", "file", "output_dir"),
+        "source": paths.PathField("block.source", "dir", "workdir")}}

@@ -146,7 +146,8 @@ def test_input_that_ends_aborts():
 
 
 @pytest.mark.parametrize("folder, dataset_id", [("my pics", "my-pics"), ("data/cats/", "cats"), ("ünï", "n"),
-                                                ("///", "my-dataset"), ("a_b-c", "a_b-c")])
+                                                ("///", "my-dataset"), ("a_b-c", "a_b-c"), ("My Pics", "My-Pics"),
+                                                ("Xmas-X", "Xmas-X")])
 def test_the_dataset_id_is_the_folder_name_made_safe(folder, dataset_id):
     assert wizard._dataset_id(folder) == dataset_id
 
