@@ -424,3 +424,34 @@ def test_an_id_that_is_not_text_is_one_error_per_entry_not_a_duplicate(make_back
     entries.append({**entries[0]})
     assert [(e.path, e.message) for e in errors_of(entries)] == [
         ("datasets[0].id", "expected a string, got 7"), ("datasets[2].id", "expected a string, got 7")]
+
+
+def test_a_refused_key_is_one_error_and_the_entries_after_it_are_still_read(make_backends):
+    entries = make_backends(maximum_aspect_ratio=2.0)
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[pics].maximum_aspect_ratio", "2.0: is not implemented: images of every aspect ratio train; "
+                                                "remove it or move those images out of the folder")]
+
+
+def test_an_invalid_video_dataset_is_not_also_reported_missing(make_backends):
+    entries = make_backends(dataset_type="video", crop_style="middle")
+    assert [e.path for e in errors_of(entries)] == ["datasets[pics].crop_style"]
+
+
+def test_text_embeds_errors_whole(make_backends):
+    entries = make_backends()
+    assert [(e.path, e.message) for e in errors_of(entries[:1])] == [
+        ("datasets", 'a text_embeds backend is required, e.g. {"id": "text-embeds", "dataset_type": "text_embeds", '
+                     '"type": "local", "default": true}')]
+    # two good text-embeds backends and a broken one: the broken one is the error, not the count of defaults
+    entries[1]["default"] = False
+    entries += [{"id": "te2", "dataset_type": "text_embeds"},
+                {"id": "te3", "dataset_type": "text_embeds", "write_batch_size": 0}]
+    assert [(e.path, e.message) for e in errors_of(entries)] == [
+        ("datasets[te3].write_batch_size", "must be >= 1, got 0")]
+
+
+def test_an_unknown_key_far_from_every_field_gets_no_suggestion(make_backends):
+    backends = parse_data_backends(make_backends(repeat_count=3, crop_aspct="square"))
+    assert "datasets[pics].repeat_count: unknown key, ignored" in backends.warnings
+    assert "datasets[pics].crop_aspct: unknown key, ignored; did you mean 'crop_aspect'?" in backends.warnings
