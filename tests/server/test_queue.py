@@ -29,6 +29,15 @@ def _queue(mgr: JobManager, n: int, **kw) -> list[int]:
     return [mgr.submit(train_config=train_config(), data_backends=data_backends(), **kw).id for _ in range(n)]
 
 
+def _start_all(mgr: JobManager, limit: int = 200) -> None:
+    """Start jobs until the manager says there is nothing more to start; a manager that never says so fails the
+    test at once instead of hanging it."""
+    for _ in range(limit):
+        if not mgr._start_next():
+            return
+    raise AssertionError(f"_start_next still had something to start after {limit} calls")
+
+
 @pytest.fixture(scope="module")
 def postgres_url():
     from tests.server.postgres import running_postgres
@@ -66,8 +75,7 @@ def test_two_servers_sharing_a_database_never_claim_the_same_job(tmp_path, workd
 
     def drain(mgr):
         barrier.wait()
-        while mgr._start_next():
-            pass
+        _start_all(mgr)
 
     threads = [threading.Thread(target=drain, args=(m,)) for m in (a, b)]
     for t in threads:
@@ -188,17 +196,14 @@ def test_strict_priority_waits_for_devices(tmp_path, workdir, monkeypatch):
     one = _queue(mgr, 1, num_processes=1)[0]
     two = _queue(mgr, 1, num_processes=2)[0]
     small = _queue(mgr, 1, num_processes=1)[0]
-    while mgr._start_next():
-        pass
+    _start_all(mgr)
     assert started == [(one, ["0"])]  # the 2-GPU job waits for both devices; the later 1-GPU job waits too
     mgr.procs.clear()
-    while mgr._start_next():
-        pass
+    _start_all(mgr)
     assert started[1] == (two, ["0", "1"])
     assert len(started) == 2  # the 1-GPU job submitted last still waits: both devices are busy
     mgr.procs.clear()
-    while mgr._start_next():
-        pass
+    _start_all(mgr)
     assert started[2] == (small, ["0"])
 
 
@@ -665,11 +670,6 @@ def _recorded_launches(mgr: JobManager, monkeypatch) -> list[tuple[int, list[str
 
     monkeypatch.setattr(mgr, "_launch", fake_launch)
     return started
-
-
-def _start_all(mgr: JobManager) -> None:
-    while mgr._start_next():
-        pass
 
 
 def test_the_local_worker_takes_queued_single_machine_jobs_by_priority_then_submission_then_id(
