@@ -825,3 +825,32 @@ def test_any_number_of_jobs_waiting_for_a_cache_job_never_hide_it_from_the_local
     (small,) = _queue(mgr, 1)
     assert mgr._start_next() is True and started[-1] == (small, ["0"])  # the big ones are left to the workers
     assert {_row(mgr, j).status for j in too_big} == {"queued"}
+
+
+def test_waiting_jobs_cost_the_scan_nothing_and_a_cache_job_re_queued_meanwhile_makes_its_job_wait(
+        tmp_path, workdir, monkeypatch):
+    import simpletuner.server.queue as queue_module
+
+    mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
+    started = _recorded_launches(mgr, monkeypatch)
+    cache, done = _queue(mgr, 2)
+    with mgr.db.session(write=True) as s:
+        s.get(JobRow, done).status = "succeeded"
+        s.get(JobRow, cache).status = "running"  # on another machine
+    waiting = [mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
+                          priority=5).id for _ in range(5)]
+    ready = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=done, priority=4).id
+    (other,) = _queue(mgr, 1)
+    real, asked = queue_module.dependency_state, []
+
+    def retried_meanwhile(session, job_id, depends_on):  # the user retries the finished cache job mid-scan
+        asked.append(job_id)
+        if job_id == ready:
+            with mgr.db.session(write=True) as s:
+                s.get(JobRow, done).status = "queued"
+        return real(session, job_id, depends_on)
+
+    monkeypatch.setattr(queue_module, "dependency_state", retried_meanwhile)
+    assert mgr._start_next() is True and started == [(other, [])]  # passed over, and the next job started
+    assert asked == [ready, other] and not set(waiting) & set(asked)  # waiting jobs were never looked at
+    assert _row(mgr, ready).status == "queued"
