@@ -742,10 +742,8 @@ def test_jobs_waiting_for_their_cache_job_let_later_jobs_start_and_a_failed_one_
         s.get(JobRow, cache).status = "running"  # still caching (on another machine)
         failed = s.get(JobRow, broken)
         failed.status, failed.reason = "failed", "out of disk"
-    waits = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
-                       priority=5).id
-    doomed = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=broken,
-                        priority=3).id
+    (waits,) = _queue(mgr, 1, depends_on=cache, priority=5)
+    (doomed,) = _queue(mgr, 1, depends_on=broken, priority=3)
     later = _queue(mgr, 1)[0]
     assert mgr._start_next() is True  # the waiting job is passed over; the one whose cache job failed fails
     row = _row(mgr, doomed)
@@ -815,8 +813,7 @@ def test_any_number_of_jobs_waiting_for_a_cache_job_never_hide_it_from_the_local
                    accelerators=["0"])
     started = _recorded_launches(mgr, monkeypatch)
     (cache,) = _queue(mgr, 1)
-    waiting = [mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
-                          priority=5).id for _ in range(25)]
+    waiting = _queue(mgr, 25, depends_on=cache, priority=5)
     assert mgr._start_next() is True and started == [(cache, ["0"])]
     assert {_row(mgr, j).status for j in waiting} == {"queued"}
     mgr.procs.clear()
@@ -837,9 +834,8 @@ def test_waiting_jobs_cost_the_scan_nothing_and_a_cache_job_re_queued_meanwhile_
     with mgr.db.session(write=True) as s:
         s.get(JobRow, done).status = "succeeded"
         s.get(JobRow, cache).status = "running"  # on another machine
-    waiting = [mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=cache,
-                          priority=5).id for _ in range(5)]
-    ready = mgr.submit(train_config=train_config(), data_backends=data_backends(), depends_on=done, priority=4).id
+    waiting = _queue(mgr, 5, depends_on=cache, priority=5)
+    (ready,) = _queue(mgr, 1, depends_on=done, priority=4)
     (other,) = _queue(mgr, 1)
     real, asked = queue_module.dependency_state, []
 
