@@ -29,6 +29,14 @@ def _queue(mgr: JobManager, n: int, **kw) -> list[int]:
     return [mgr.submit(train_config=train_config(), data_backends=data_backends(), **kw).id for _ in range(n)]
 
 
+def _update(mgr: JobManager, job_id: int, **fields) -> None:
+    """Change a job row as another server, a worker or the user would (one committed write)."""
+    with mgr.db.session(write=True) as s:
+        job = s.get(JobRow, job_id)
+        for key, value in fields.items():
+            setattr(job, key, value)
+
+
 def _start_all(mgr: JobManager, limit: int = 200) -> None:
     """Start jobs until the manager says there is nothing more to start; a manager that never says so fails the
     test at once instead of hanging it."""
@@ -112,8 +120,7 @@ def test_restart_fails_or_requeues_jobs_whose_process_is_gone(tmp_path, workdir)
     dead = _dead_pid()
     _fake_running(mgr, plain, owner_pid=dead, pid=dead, pgid=dead)
     _fake_running(mgr, retry, owner_pid=dead, pid=dead, pgid=dead)
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, retry).results = {"final_loss": 0.5}  # what the lost attempt had reported
+    _update(mgr, retry, results={"final_loss": 0.5})  # what the lost attempt had reported
     fresh = _manager(tmp_path, workdir, url)  # "the restarted server"
     outcomes = dict(fresh.reconcile())
     assert outcomes == {plain: "failed", retry: "requeued"}
@@ -137,8 +144,7 @@ def test_live_server_and_fresh_heartbeat_are_left_alone(tmp_path, workdir):
     other = _manager(tmp_path, workdir, url)
     assert other.reconcile() == []
     # ...until its heartbeat goes stale
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, job_id).heartbeat_at = time.time() - 3600
+    _update(mgr, job_id, heartbeat_at=time.time() - 3600)
     assert dict(other.reconcile()) == {job_id: "failed"}
 
 
@@ -423,8 +429,7 @@ def test_results_name_the_final_lora_and_the_newest_checkpoint(tmp_path, workdir
     assert mgr._collect_results(job)["lora_path"] == str(output / "pytorch_lora_weights.safetensors")
     (output / "run_summary.json").write_text("{cut")
     assert mgr._collect_results(job)["lora_path"] == str(output / "pytorch_lora_weights.safetensors")
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, job_id).run_dir = None
+    _update(mgr, job_id, run_dir=None)
     assert mgr._collect_results(_row(mgr, job_id)) == {}
 
 
@@ -504,8 +509,7 @@ def test_retry_refuses_an_unfinished_job_and_ignores_an_unknown_one(tmp_path, wo
     with pytest.raises(RetryConflict, match=f"job {job_id} is queued; only a finished job can be retried"):
         mgr.retry(job_id)
     assert mgr.retry(job_id + 100) is None
-    with mgr.db.session(write=True) as s:  # a finished job without a run dir (it never started)
-        s.get(JobRow, job_id).status = "cancelled"
+    _update(mgr, job_id, status="cancelled")  # a finished job without a run dir (it never started)
     assert mgr.retry(job_id).reason == "retry requested: no checkpoint yet, starts from step 0"
 
 
@@ -536,8 +540,7 @@ def test_a_crashed_trainer_is_requeued_while_retries_last(tmp_path, workdir):
     mgr.cancel(cancelled)
     assert mgr._retry_after_crash(cancelled, "x", 1, {}) is False  # a cancel is never retried
     assert mgr._retry_after_crash(job_id + 100, "x", 1, {}) is False
-    with mgr.db.session(write=True) as s:  # no longer running (another server finished it): not re-queued
-        s.get(JobRow, capped).max_retries, s.get(JobRow, capped).status = 5, "failed"
+    _update(mgr, capped, max_retries=5, status="failed")  # another server finished it: not re-queued
     assert mgr._retry_after_crash(capped, "x", 1, {}) is False and _row(mgr, capped).status == "failed"
 
 
@@ -587,8 +590,7 @@ def test_an_adopted_trainer_is_taken_over_with_its_pid_and_devices(tmp_path, wor
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True)
     try:
         _fake_running(mgr, job_id, owner_pid=_dead_pid(), pid=proc.pid, pgid=proc.pid, heartbeat=time.time() - 5)
-        with mgr.db.session(write=True) as s:
-            s.get(JobRow, job_id).devices, s.get(JobRow, job_id).num_processes = "0,1", 2
+        _update(mgr, job_id, devices="0,1", num_processes=2)
         fresh = _manager(tmp_path, workdir, url, accelerators=["0", "1"], max_concurrent=2)
         before = time.time()
         with caplog.at_level("INFO", logger=queue_logger.name):
@@ -627,9 +629,7 @@ def test_a_job_that_changed_between_the_read_and_the_take_over_is_left_alone(tmp
 
     def meanwhile(job, t):  # the other server acts between this one's read and its update
         if job.id == taken:
-            with mgr.db.session(write=True) as s:
-                for key, value in change.items():
-                    setattr(s.get(JobRow, taken), key, value)
+            _update(mgr, taken, **change)
         return orphaned(job, t)
 
     fresh._orphaned = meanwhile
@@ -645,9 +645,7 @@ def test_a_cancelled_job_lost_with_its_server_ends_cancelled(tmp_path, workdir):
     (job_id,) = _queue(mgr, 1)
     dead = _dead_pid()
     _fake_running(mgr, job_id, owner_pid=dead, pid=dead, pgid=dead)
-    with mgr.db.session(write=True) as s:
-        job = s.get(JobRow, job_id)
-        job.cancel_requested, job.exit_code, job.results = True, 7, {"last_checkpoint_step": 4}
+    _update(mgr, job_id, cancel_requested=True, exit_code=7, results={"last_checkpoint_step": 4})
     fresh = _manager(tmp_path, workdir, url)
     assert fresh.reconcile() == [(job_id, "cancelled")]
     row = _row(fresh, job_id)
@@ -738,10 +736,8 @@ def test_jobs_waiting_for_their_cache_job_let_later_jobs_start_and_a_failed_one_
     mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
     started = _recorded_launches(mgr, monkeypatch)
     cache, broken = _queue(mgr, 2)
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, cache).status = "running"  # still caching (on another machine)
-        failed = s.get(JobRow, broken)
-        failed.status, failed.reason = "failed", "out of disk"
+    _update(mgr, cache, status="running")  # still caching (on another machine)
+    _update(mgr, broken, status="failed", reason="out of disk")
     (waits,) = _queue(mgr, 1, depends_on=cache, priority=5)
     (doomed,) = _queue(mgr, 1, depends_on=broken, priority=3)
     later = _queue(mgr, 1)[0]
@@ -754,8 +750,7 @@ def test_jobs_waiting_for_their_cache_job_let_later_jobs_start_and_a_failed_one_
     assert events == ["queued", "failed"]
     assert mgr._start_next() is True and started == [(later, [])]
     assert mgr._start_next() is False and _row(mgr, waits).status == "queued"
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, cache).status = "succeeded"
+    _update(mgr, cache, status="succeeded")
     assert mgr._start_next() is True and started[-1] == (waits, [])
 
 
@@ -780,9 +775,7 @@ def test_a_job_another_server_claimed_first_is_passed_over(tmp_path, workdir, mo
 
     def meanwhile(session, job_id, depends_on):  # another server claims ``taken`` after this one read the queue
         if job_id == taken:
-            with mgr.db.session(write=True) as s:
-                row = s.get(JobRow, taken)
-                row.status, row.owner = "running", "another:1:server"
+            _update(mgr, taken, status="running", owner="another:1:server")
         return real(session, job_id, depends_on)
 
     monkeypatch.setattr(queue_module, "dependency_state", meanwhile)
@@ -793,10 +786,8 @@ def test_a_job_another_server_claimed_first_is_passed_over(tmp_path, workdir, mo
 def test_failing_a_queued_job_leaves_one_that_changed_meanwhile(tmp_path, workdir):
     mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}")
     started, cancelled = _queue(mgr, 2)
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, started).status = "running"  # another server claimed it
-        job = s.get(JobRow, cancelled)
-        job.status, job.reason = "cancelled", "cancelled before it started"
+    _update(mgr, started, status="running")  # another server claimed it
+    _update(mgr, cancelled, status="cancelled", reason="cancelled before it started")
     for job_id in (started, cancelled):
         mgr._fail_queued(job_id, "cache job 1 failed")
     assert (_row(mgr, started).status, _row(mgr, started).reason) == ("running", None)
@@ -831,9 +822,8 @@ def test_waiting_jobs_cost_the_scan_nothing_and_a_cache_job_re_queued_meanwhile_
     mgr = _manager(tmp_path, workdir, f"sqlite:///{tmp_path / 'db.sqlite'}", max_concurrent=100)
     started = _recorded_launches(mgr, monkeypatch)
     cache, done = _queue(mgr, 2)
-    with mgr.db.session(write=True) as s:
-        s.get(JobRow, done).status = "succeeded"
-        s.get(JobRow, cache).status = "running"  # on another machine
+    _update(mgr, done, status="succeeded")
+    _update(mgr, cache, status="running")  # on another machine
     waiting = _queue(mgr, 5, depends_on=cache, priority=5)
     (ready,) = _queue(mgr, 1, depends_on=done, priority=4)
     (other,) = _queue(mgr, 1)
@@ -842,8 +832,7 @@ def test_waiting_jobs_cost_the_scan_nothing_and_a_cache_job_re_queued_meanwhile_
     def retried_meanwhile(session, job_id, depends_on):  # the user retries the finished cache job mid-scan
         asked.append(job_id)
         if job_id == ready:
-            with mgr.db.session(write=True) as s:
-                s.get(JobRow, done).status = "queued"
+            _update(mgr, done, status="queued")
         return real(session, job_id, depends_on)
 
     monkeypatch.setattr(queue_module, "dependency_state", retried_meanwhile)
